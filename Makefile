@@ -1,0 +1,26 @@
+# Set-up is automatic: every target creates .venv first if it is missing.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.ddtree-installed
+
+.PHONY: venv test lint bench-tree
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q torch==2.11.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(VENV_STAMP)
+
+lint: venv
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+# pytest exits 5 when it collects no test: that is a failure here, not a pass.
+test: lint
+	@$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench-tree: venv
+	$(PY) benchmarks/tree.py --device cpu --out benchmarks/results/tree_cpu.json

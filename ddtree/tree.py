@@ -1,0 +1,265 @@
+"""Build the DDTree draft tree on the device: batched, fixed shapes, no host sync.
+
+The tree holds the ``budget`` highest-scoring prefixes of draft tokens, where a prefix's score
+is the sum of the drafter's log-probabilities along it (the paper's best-first heap gives the
+same set). On the device this is a beam search of width ``budget`` over the depths followed by a
+global top-``budget`` over all beams: a prefix in the global top set has its parent in the
+previous depth's top set, so nothing is lost by keeping ``budget`` prefixes per depth.
+
+Total order (how ties are broken, identically in :mod:`ddtree.reference`):
+
+* the tokens of one depth are ranked by (logit descending, token id ascending);
+* prefixes of one depth are ordered by (score descending, parent's position in its depth's
+  order ascending, token rank ascending);
+* prefixes of different depths by (score descending, depth ascending, position in depth).
+
+Scores are float32 and summed parent-first, ``score(child) = score(parent) + logprob``. A parent
+never comes after its child and an earlier sibling never after a later one, so the ``budget``
+first prefixes of this order are prefix-closed and are exactly what the heap pops.
+
+Every tie-break is encoded in one int64 sort key per candidate, ``(float32 order bits << 31) |
+(2**31 - 1 - index)``, so that ``topk`` (which is not stable) returns a unique, deterministic
+order on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INDEX_BITS = 31
+_INDEX_MASK = (1 << _INDEX_BITS) - 1
+_INVALID = -(1 << 31) - 1  # order value below every float (including -inf)
+_FORCED = 1 << 31  # order value above every float (including +inf)
+MAX_BUDGET = 1 << 14  # keeps D * budget well inside the key's index field
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, ``N = 1 + budget`` slots each, slot 0 the root.
+
+    Nodes are sorted by (depth, position in their depth), so a parent precedes its children.
+    Padding slots (only when fewer than ``budget`` prefixes exist) come last, with token -1,
+    parent -1, depth 0, and a mask row holding only themselves.
+    """
+
+    tokens: torch.Tensor  # long [b, N]: draft token per node; -1 at the root and padding
+    parents: torch.Tensor  # long [b, N]: parent slot, -1 for the root and padding
+    depths: torch.Tensor  # long [b, N]: 0 for root and padding, 1..D for nodes
+    mask: torch.Tensor  # bool [b, N, N]: row i is true at i and its ancestors
+    scores: torch.Tensor  # float32 [b, N]: sum of draft logprobs (0 root, -inf padding)
+    ancestors: torch.Tensor  # long [b, N, D+1]: k-th ancestor of each slot, saturating at 0
+    num_nodes: torch.Tensor  # long [b]: real (non-root, non-padding) nodes
+
+    @property
+    def budget(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.ancestors.shape[2] - 1
+
+
+def _order_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 [same shape] ordered like the float32 values of ``x`` (-0.0 folded into +0.0)."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+
+
+def _sort_key(order: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 key: larger ``order`` first, then smaller ``index`` first."""
+    return (order << _INDEX_BITS) | (_INDEX_MASK - index)
+
+
+def _check_inputs(draft_logits: torch.Tensor, budget: int, check_values: bool) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"budget must be an int, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget must be <= {MAX_BUDGET}, got {budget}")
+    if not isinstance(draft_logits, torch.Tensor):
+        raise ValueError(f"draft_logits must be a torch.Tensor, got {type(draft_logits).__name__}")
+    if draft_logits.dim() != 3:
+        raise ValueError(
+            f"draft_logits must be 3-D [batch, depth, vocab], got shape {tuple(draft_logits.shape)}"
+        )
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be floating point, got {draft_logits.dtype}")
+    if min(draft_logits.shape) == 0:
+        raise ValueError(f"draft_logits must be non-empty, got shape {tuple(draft_logits.shape)}")
+    if draft_logits.shape[2] > _INDEX_MASK:
+        raise ValueError(f"draft_logits vocabulary too large: {draft_logits.shape[2]}")
+    if check_values and not _in_capture():
+        if not bool(torch.isfinite(draft_logits).all()):
+            raise ValueError("draft_logits contains NaN or inf")
+
+
+def _in_capture() -> bool:
+    """Inside torch.compile tracing or CUDA-graph capture a value check would need a host sync."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` tokens per depth in rank order and their float32 log-probabilities.
+
+    Returns ``(logprobs [b, D, k] float32, token_ids [b, D, k] long)``, ranked by (logit
+    descending, token id ascending). Only the top-``k`` log-softmax values are formed:
+    ``logit - logsumexp(logits)``.
+    """
+    logits = draft_logits.float()
+    vocab = logits.shape[-1]
+    token_ids = torch.arange(vocab, device=logits.device)
+    key = _sort_key(_order_bits(logits), token_ids)  # [b, D, V]
+    top_ids = _INDEX_MASK - (key.topk(k, dim=-1).values & _INDEX_MASK)  # [b, D, k]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [b, D, 1]
+    return logits.gather(-1, top_ids) - lse, top_ids
+
+
+def _pruned_candidates(
+    budget: int, k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent position, rank) pairs that can reach the top-``budget`` of a depth.
+
+    The child of the i-th parent (0-based) at rank r is beaten by the (i+1)(r+1)-1 children of
+    parents <= i at ranks <= r, so it can be among the best ``budget`` only if (i+1)(r+1) <=
+    budget. Pairs are laid out in (parent, rank) order, which is the tie-break order.
+    Returns ``(parent_pos [M], rank [M])``, M ~ budget * ln(budget).
+    """
+    parent = torch.arange(budget, device=device)
+    counts = torch.clamp(budget // (parent + 1), max=k)  # [budget]
+    num = sum(min(k, budget // (i + 1)) for i in range(budget))
+    cand_parent = torch.repeat_interleave(parent, counts, output_size=num)  # [M]
+    starts = torch.cumsum(counts, 0) - counts  # [budget]
+    cand_rank = torch.arange(num, device=device) - starts[cand_parent]  # [M]
+    return cand_parent, cand_rank
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    budget: int,
+    *,
+    chain_seed: bool = False,
+    check_values: bool = True,
+) -> DraftTree:
+    """Build the DDTree of the ``budget`` best prefixes for each request.
+
+    Args:
+        draft_logits: float ``[b, D, V]`` drafter logits for depths 1..D.
+        budget: number of non-root nodes B (>= 0); the verify width is 1 + B.
+        chain_seed: force the drafter's argmax chain (depths 1..min(D, B)) into the tree,
+            displacing the lowest-ranked other nodes, so acceptance is never below the chain's.
+        check_values: reject NaN/inf logits. This reads a value on the host (a sync); it is
+            skipped inside torch.compile tracing and CUDA-graph capture, and engines pass False
+            in their per-step path.
+    """
+    _check_inputs(draft_logits, budget, check_values)
+    batch, depth, vocab = draft_logits.shape
+    device = draft_logits.device
+    n_slots = 1 + budget
+    if budget == 0:
+        return _root_only(batch, depth, device)
+
+    k = min(budget, vocab)
+    logprobs, token_ids = draft_topk(draft_logits, k)  # [b, D, k] each
+
+    # Depth 1: the k ranked tokens, then invalid fill up to the beam width.
+    pad = budget - k
+    beam_score = torch.nn.functional.pad(logprobs[:, 0], (0, pad), value=float("-inf"))  # [b, B]
+    beam_valid = torch.arange(budget, device=device).expand(batch, budget) < k  # [b, B]
+    beam_parent = torch.zeros(batch, budget, dtype=torch.long, device=device)  # [b, B]
+    beam_token = torch.nn.functional.pad(token_ids[:, 0], (0, pad), value=-1)  # [b, B]
+    scores, valids, parents_pos, tokens = [beam_score], [beam_valid], [beam_parent], [beam_token]
+
+    cand_parent, cand_rank = _pruned_candidates(budget, k, device)  # [M] each
+    cand_index = torch.arange(cand_parent.shape[0], device=device)  # [M]
+    for d in range(1, depth):
+        cand_score = beam_score[:, cand_parent] + logprobs[:, d, cand_rank]  # [b, M]
+        cand_valid = beam_valid[:, cand_parent]  # [b, M]
+        order = torch.where(cand_valid, _order_bits(cand_score), _INVALID)
+        top = _sort_key(order, cand_index).topk(budget, dim=-1).indices  # [b, B]
+        beam_score = cand_score.gather(1, top)
+        beam_valid = cand_valid.gather(1, top)
+        beam_parent = cand_parent[top]
+        beam_token = token_ids[:, d].gather(1, cand_rank[top])
+        scores.append(beam_score)
+        valids.append(beam_valid)
+        parents_pos.append(beam_parent)
+        tokens.append(beam_token)
+
+    # Global top-B over the D beams, flat index = depth_index * B + position.
+    flat_score = torch.stack(scores, 1).flatten(1)  # [b, D*B]
+    flat_valid = torch.stack(valids, 1).flatten(1)
+    flat_parent = torch.stack(parents_pos, 1).flatten(1)
+    flat_token = torch.stack(tokens, 1).flatten(1)
+    flat_index = torch.arange(depth * budget, device=device)  # [D*B]
+    order = torch.where(flat_valid, _order_bits(flat_score), _INVALID)
+    if chain_seed:
+        order = torch.where(flat_index % budget == 0, _FORCED, order)
+    chosen = _sort_key(order, flat_index).topk(budget, dim=-1).indices  # [b, B]
+    chosen_valid = flat_valid.gather(1, chosen)
+    # Slot order: valid nodes by flat index (depth, then position), padding last.
+    slot_key = torch.where(chosen_valid, chosen, chosen + depth * budget)
+    node_flat = chosen.gather(1, slot_key.argsort(dim=1))  # [b, B]
+    node_valid = flat_valid.gather(1, node_flat)  # [b, B]
+
+    node_depth = node_flat // budget + 1  # [b, B]
+    parent_flat = (node_depth - 2) * budget + flat_parent.gather(1, node_flat)  # [b, B]
+    slot_of_flat = torch.full((batch, depth * budget), -1, dtype=torch.long, device=device)
+    slots = torch.arange(1, n_slots, device=device).expand(batch, budget)
+    slot_of_flat.scatter_(1, node_flat, slots)
+    node_parent = torch.where(node_depth == 1, 0, slot_of_flat.gather(1, parent_flat.clamp(min=0)))
+
+    root_long = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    tree_tokens = torch.cat(
+        [root_long - 1, torch.where(node_valid, flat_token.gather(1, node_flat), -1)], 1
+    )
+    tree_parents = torch.cat([root_long - 1, torch.where(node_valid, node_parent, -1)], 1)
+    tree_depths = torch.cat([root_long, torch.where(node_valid, node_depth, 0)], 1)
+    tree_scores = torch.cat(
+        [
+            torch.zeros(batch, 1, device=device),
+            torch.where(node_valid, flat_score.gather(1, node_flat), float("-inf")),
+        ],
+        1,
+    )
+    ancestors, mask = _ancestry(tree_parents, depth)
+    return DraftTree(
+        tokens=tree_tokens,
+        parents=tree_parents,
+        depths=tree_depths,
+        mask=mask,
+        scores=tree_scores,
+        ancestors=ancestors,
+        num_nodes=node_valid.sum(1),
+    )
+
+
+def _ancestry(parents: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k-th ancestors ``[b, N, D+1]`` (root and padding point at themselves) and the mask."""
+    batch, n_slots = parents.shape
+    slot = torch.arange(n_slots, device=parents.device).expand(batch, n_slots)
+    step = torch.where(parents >= 0, parents, slot)  # [b, N]: parent, self for root/padding
+    chain = [slot]
+    for _ in range(depth):
+        chain.append(step.gather(1, chain[-1]))
+    ancestors = torch.stack(chain, 2)  # [b, N, D+1]
+    mask = torch.zeros(batch, n_slots, n_slots, dtype=torch.bool, device=parents.device)
+    mask.scatter_(2, ancestors, True)
+    return ancestors, mask
+
+
+def _root_only(batch: int, depth: int, device: torch.device) -> DraftTree:
+    zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    return DraftTree(
+        tokens=zeros - 1,
+        parents=zeros - 1,
+        depths=zeros.clone(),
+        mask=torch.ones(batch, 1, 1, dtype=torch.bool, device=device),
+        scores=torch.zeros(batch, 1, device=device),
+        ancestors=torch.zeros(batch, 1, depth + 1, dtype=torch.long, device=device),
+        num_nodes=torch.zeros(batch, dtype=torch.long, device=device),
+    )

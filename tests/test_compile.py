@@ -1,0 +1,23 @@
+"""build_tree and walk trace into one graph (no data-dependent Python control flow)."""
+
+import torch
+from helpers import agreeing_targets, make_logits
+
+import ddtree
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    logits = make_logits("ties", 2, 4, 30, 0)
+    build = torch.compile(ddtree.build_tree, fullgraph=True)
+    walk = torch.compile(ddtree.walk, fullgraph=True)
+    for chain_seed in (False, True):
+        eager = ddtree.build_tree(logits, 16, chain_seed=chain_seed)
+        compiled = build(logits, 16, chain_seed=chain_seed)
+        for name in ("tokens", "parents", "depths", "mask", "ancestors", "num_nodes"):
+            assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+        for seed in range(8):
+            target = agreeing_targets(eager, 30, seed)
+            got, want = walk(compiled, target), ddtree.walk(eager, target)
+            for name in ("path", "num_accepted", "bonus", "emitted", "accepted"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
