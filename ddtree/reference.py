@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ddtree.tree import LOGPROB_FLOOR
+
 
 @dataclass
 class ReferenceTree:
@@ -38,9 +40,10 @@ class ReferenceTree:
 def ranked_logprobs(
     draft_logits: torch.Tensor, k: int
 ) -> tuple[list[list[np.float32]], list[list[int]]]:
-    """Per depth, the top-``k`` tokens by (logit desc, id asc) and their float32 log-softmax."""
+    """Per depth, the top-``k`` tokens by (logit desc, id asc) and their float32 log-softmax
+    (clamped at ``LOGPROB_FLOOR``, as on the device)."""
     logits = draft_logits.float() + 0.0
-    logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    logprobs = (logits - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(min=LOGPROB_FLOOR)
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
     lp_rows = [[np.float32(v) for v in logprobs[d, order[d]].tolist()] for d in range(len(order))]
     return lp_rows, order.tolist()

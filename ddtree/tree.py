@@ -30,8 +30,8 @@ import torch
 
 _INDEX_BITS = 31
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
-_INVALID = -(1 << 31) - 1  # order value below every float (including -inf)
-_FORCED = 1 << 31  # order value above every float (including +inf)
+_FORCED_KEY = 1 << 62  # added to a _logprob_key: above every unforced key
+LOGPROB_FLOOR = -1e30  # log-probs are clamped here so that every real prefix scores > -inf
 MAX_BUDGET = 1 << 14  # keeps D * budget well inside the key's index field
 
 
@@ -72,6 +72,16 @@ def _sort_key(order: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (order << _INDEX_BITS) | (_INDEX_MASK - index)
 
 
+def _logprob_key(score: torch.Tensor, tiebreak: torch.Tensor) -> torch.Tensor:
+    """int64 key for scores <= 0: higher score first, then higher ``tiebreak``.
+
+    For float32 x <= 0 the bits of |x| grow as x falls, so the key is ``tiebreak - (|x| bits <<
+    31)`` (|-0.0| folds into +0.0; -inf, the absent prefix, gets the lowest key).
+    """
+    magnitude = score.abs().view(torch.int32).long()
+    return tiebreak - (magnitude << _INDEX_BITS)
+
+
 def _check_inputs(draft_logits: torch.Tensor, budget: int, check_values: bool) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"budget must be an int, got {type(budget).__name__}")
@@ -108,15 +118,32 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 
     Returns ``(logprobs [b, D, k] float32, token_ids [b, D, k] long)``, ranked by (logit
     descending, token id ascending). Only the top-``k`` log-softmax values are formed:
-    ``logit - logsumexp(logits)``.
+    ``logit - logsumexp(logits)``, clamped at ``LOGPROB_FLOOR``.
+
+    A float ``topk`` picks the set, but it may take any of the tokens tied at the k-th value
+    and order ties freely. So the tokens strictly above the k-th value are kept, the slots left
+    are refilled with the smallest ids tied at it (a running count over the vocabulary), and
+    the k winners are sorted by an exact int64 key.
     """
-    logits = draft_logits.float()
-    vocab = logits.shape[-1]
-    token_ids = torch.arange(vocab, device=logits.device)
-    key = _sort_key(_order_bits(logits), token_ids)  # [b, D, V]
-    top_ids = _INDEX_MASK - (key.topk(k, dim=-1).values & _INDEX_MASK)  # [b, D, k]
+    logits = draft_logits.float() + 0.0  # [b, D, V], -0.0 folded into +0.0
+    top_values, top_ids = logits.topk(k, dim=-1)  # [b, D, k], descending
+    kth = top_values[..., k - 1 :]  # [b, D, 1]
+    num_above = (top_values > kth).sum(-1, keepdim=True)  # [b, D, 1] (< k)
+    tied = logits == kth  # [b, D, V]
+    tied_rank = torch.cumsum(tied, -1)  # [b, D, V]: 1-based rank of each tied token by id
+    take = tied & (tied_rank <= k - num_above)
+    slot = torch.where(take, num_above + tied_rank - 1, k)  # [b, D, V]; k = discard column
+    token_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
+    ids = torch.cat([top_ids, top_ids[..., :1]], -1)  # [b, D, k+1]
+    ids = ids.scatter(-1, slot, token_ids)[..., :k]  # ties refilled in id order
+    # (Slots below num_above keep topk's ids: scatter writes only slots >= num_above and k.)
+    values = logits.gather(-1, ids)
+    key = _sort_key(_order_bits(values), ids)
+    order = key.sort(dim=-1, descending=True).indices  # [b, D, k]
+    ids = ids.gather(-1, order)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [b, D, 1]
-    return logits.gather(-1, top_ids) - lse, top_ids
+    logprobs = (values.gather(-1, order) - lse).clamp(min=LOGPROB_FLOOR)
+    return logprobs, ids
 
 
 def _pruned_candidates(
@@ -165,41 +192,37 @@ def build_tree(
 
     k = min(budget, vocab)
     logprobs, token_ids = draft_topk(draft_logits, k)  # [b, D, k] each
-
-    # Depth 1: the k ranked tokens, then invalid fill up to the beam width.
-    pad = budget - k
-    beam_score = torch.nn.functional.pad(logprobs[:, 0], (0, pad), value=float("-inf"))  # [b, B]
-    beam_valid = torch.arange(budget, device=device).expand(batch, budget) < k  # [b, B]
-    beam_parent = torch.zeros(batch, budget, dtype=torch.long, device=device)  # [b, B]
-    beam_token = torch.nn.functional.pad(token_ids[:, 0], (0, pad), value=-1)  # [b, B]
-    scores, valids, parents_pos, tokens = [beam_score], [beam_valid], [beam_parent], [beam_token]
+    # Depth 1: the k ranked tokens, then -inf (absent) up to the beam width.
+    beam_score = torch.nn.functional.pad(logprobs[:, 0], (0, budget - k), value=float("-inf"))
+    scores, picks = [beam_score], []  # per depth: [b, B] scores, [b, B] candidate picked
 
     cand_parent, cand_rank = _pruned_candidates(budget, k, device)  # [M] each
-    cand_index = torch.arange(cand_parent.shape[0], device=device)  # [M]
+    cand_tiebreak = _INDEX_MASK - torch.arange(cand_parent.shape[0], device=device)  # [M]
+    cand_logprobs = logprobs[:, :, cand_rank]  # [b, D, M]
     for d in range(1, depth):
-        cand_score = beam_score[:, cand_parent] + logprobs[:, d, cand_rank]  # [b, M]
-        cand_valid = beam_valid[:, cand_parent]  # [b, M]
-        order = torch.where(cand_valid, _order_bits(cand_score), _INVALID)
-        top = _sort_key(order, cand_index).topk(budget, dim=-1).indices  # [b, B]
-        beam_score = cand_score.gather(1, top)
-        beam_valid = cand_valid.gather(1, top)
-        beam_parent = cand_parent[top]
-        beam_token = token_ids[:, d].gather(1, cand_rank[top])
+        cand_score = beam_score[:, cand_parent] + cand_logprobs[:, d]  # [b, M]
+        pick = _logprob_key(cand_score, cand_tiebreak).topk(budget, dim=-1).indices  # [b, B]
+        beam_score = cand_score.gather(1, pick)
         scores.append(beam_score)
-        valids.append(beam_valid)
-        parents_pos.append(beam_parent)
-        tokens.append(beam_token)
+        picks.append(pick)
+
+    # Per depth and beam position: parent position in the previous beam and token rank.
+    position = torch.arange(budget, device=device).expand(batch, 1, budget)
+    if picks:
+        pick = torch.stack(picks, 1)  # [b, D-1, B]
+        beam_parent = torch.cat([torch.zeros_like(position), cand_parent[pick]], 1)  # [b, D, B]
+        beam_rank = torch.cat([position, cand_rank[pick]], 1)  # [b, D, B]
+    else:
+        beam_parent, beam_rank = torch.zeros_like(position), position
 
     # Global top-B over the D beams, flat index = depth_index * B + position.
     flat_score = torch.stack(scores, 1).flatten(1)  # [b, D*B]
-    flat_valid = torch.stack(valids, 1).flatten(1)
-    flat_parent = torch.stack(parents_pos, 1).flatten(1)
-    flat_token = torch.stack(tokens, 1).flatten(1)
+    flat_valid = flat_score > float("-inf")  # real prefixes; absent ones are -inf
     flat_index = torch.arange(depth * budget, device=device)  # [D*B]
-    order = torch.where(flat_valid, _order_bits(flat_score), _INVALID)
-    if chain_seed:
-        order = torch.where(flat_index % budget == 0, _FORCED, order)
-    chosen = _sort_key(order, flat_index).topk(budget, dim=-1).indices  # [b, B]
+    key = _logprob_key(flat_score, _INDEX_MASK - flat_index)
+    if chain_seed:  # the argmax chain is position 0 of every beam
+        key = torch.where(flat_index % budget == 0, key + _FORCED_KEY, key)
+    chosen = key.topk(budget, dim=-1).indices  # [b, B]
     chosen_valid = flat_valid.gather(1, chosen)
     # Slot order: valid nodes by flat index (depth, then position), padding last.
     slot_key = torch.where(chosen_valid, chosen, chosen + depth * budget)
@@ -207,16 +230,17 @@ def build_tree(
     node_valid = flat_valid.gather(1, node_flat)  # [b, B]
 
     node_depth = node_flat // budget + 1  # [b, B]
-    parent_flat = (node_depth - 2) * budget + flat_parent.gather(1, node_flat)  # [b, B]
+    node_parent_pos = beam_parent.flatten(1).gather(1, node_flat)  # [b, B]
+    parent_flat = (node_depth - 2) * budget + node_parent_pos  # [b, B]
+    node_rank = beam_rank.flatten(1).gather(1, node_flat).clamp(max=k - 1)  # [b, B]
+    node_token = token_ids.flatten(1).gather(1, (node_depth - 1) * k + node_rank)  # [b, B]
     slot_of_flat = torch.full((batch, depth * budget), -1, dtype=torch.long, device=device)
     slots = torch.arange(1, n_slots, device=device).expand(batch, budget)
     slot_of_flat.scatter_(1, node_flat, slots)
     node_parent = torch.where(node_depth == 1, 0, slot_of_flat.gather(1, parent_flat.clamp(min=0)))
 
     root_long = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    tree_tokens = torch.cat(
-        [root_long - 1, torch.where(node_valid, flat_token.gather(1, node_flat), -1)], 1
-    )
+    tree_tokens = torch.cat([root_long - 1, torch.where(node_valid, node_token, -1)], 1)
     tree_parents = torch.cat([root_long - 1, torch.where(node_valid, node_parent, -1)], 1)
     tree_depths = torch.cat([root_long, torch.where(node_valid, node_depth, 0)], 1)
     tree_scores = torch.cat(
