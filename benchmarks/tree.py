@@ -47,20 +47,12 @@ def timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def build_and_walk(logits, target, budget: int):
-    tree = ddtree.build_tree(logits, budget, chain_seed=True, check_values=False)
-    return ddtree.walk(tree, target)
-
-
-compiled_build_and_walk = torch.compile(build_and_walk, fullgraph=True, dynamic=False)
-
-
-def graph_time(logits, target, budget: int, repeats: int, compiled: bool = False) -> float:
+def graph_time(logits, target, budget: int, repeats: int) -> float:
     """Median seconds of one replay of a CUDA graph holding build_tree + walk."""
-    fn = compiled_build_and_walk if compiled else build_and_walk
 
     def step():
-        return fn(logits, target, budget)
+        tree = ddtree.build_tree(logits, budget, chain_seed=True, check_values=False)
+        return ddtree.walk(tree, target)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -106,11 +98,6 @@ def main() -> None:
     parser.add_argument("--vocabs", default="151936,248320")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per point")
-    parser.add_argument(
-        "--compile-budgets",
-        default="",
-        help="also time torch.compile'd build+walk in the graph at these budgets (first vocab)",
-    )
     parser.add_argument("--no-reference", action="store_true", help="skip the Python heap")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args()
@@ -119,7 +106,6 @@ def main() -> None:
     budgets = [int(x) for x in args.budgets.split(",")]
     vocabs = [int(x) for x in args.vocabs.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    compile_budgets = {int(x) for x in args.compile_budgets.split(",") if x}
 
     rows = []
     grid = [(v, b, n) for v in vocabs for b in batches for n in budgets]
@@ -142,10 +128,6 @@ def main() -> None:
         if device == "cuda":
             row["build_walk_graph_ms"] = 1e3 * graph_time(logits, target, budget, repeats)
             row["host_syncs_in_step"] = 0  # capture ran under sync-debug "error" mode
-            if budget in compile_budgets and vocab == vocabs[0]:
-                row["build_walk_compiled_graph_ms"] = 1e3 * graph_time(
-                    logits, target, budget, repeats, compiled=True
-                )
         if batch == 1 and not args.no_reference:
             row["reference_ms"] = 1e3 * reference_time(logits[0], budget)
         rows.append(row)

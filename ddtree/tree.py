@@ -99,7 +99,7 @@ def _check_inputs(draft_logits: torch.Tensor, budget: int, check_values: bool) -
         raise ValueError(f"draft_logits must be floating point, got {draft_logits.dtype}")
     if min(draft_logits.shape) == 0:
         raise ValueError(f"draft_logits must be non-empty, got shape {tuple(draft_logits.shape)}")
-    if draft_logits.shape[2] > _INDEX_MASK:
+    if draft_logits.shape[2] > 1 << 24:  # token ids must be exact in float32
         raise ValueError(f"draft_logits vocabulary too large: {draft_logits.shape[2]}")
     if check_values and not _in_capture():
         if not bool(torch.isfinite(draft_logits).all()):
@@ -122,21 +122,19 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 
     A float ``topk`` picks the set, but it may take any of the tokens tied at the k-th value
     and order ties freely. So the tokens strictly above the k-th value are kept, the slots left
-    are refilled with the smallest ids tied at it (a running count over the vocabulary), and
-    the k winners are sorted by an exact int64 key.
+    are refilled with the smallest ids tied at it (a second float ``topk``, over minus the ids
+    of the tied tokens), and the k winners are sorted by an exact int64 key.
     """
     logits = draft_logits.float() + 0.0  # [b, D, V], -0.0 folded into +0.0
     top_values, top_ids = logits.topk(k, dim=-1)  # [b, D, k], descending
     kth = top_values[..., k - 1 :]  # [b, D, 1]
     num_above = (top_values > kth).sum(-1, keepdim=True)  # [b, D, 1] (< k)
-    tied = logits == kth  # [b, D, V]
-    tied_rank = torch.cumsum(tied, -1)  # [b, D, V]: 1-based rank of each tied token by id
-    take = tied & (tied_rank <= k - num_above)
-    slot = torch.where(take, num_above + tied_rank - 1, k)  # [b, D, V]; k = discard column
-    token_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
-    ids = torch.cat([top_ids, top_ids[..., :1]], -1)  # [b, D, k+1]
-    ids = ids.scatter(-1, slot, token_ids)[..., :k]  # ties refilled in id order
-    # (Slots below num_above keep topk's ids: scatter writes only slots >= num_above and k.)
+    vocab_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.float32)
+    minus_tied_ids = torch.where(logits == kth, -vocab_ids, -float(logits.shape[-1]))  # [b, D, V]
+    tied_ids = (-minus_tied_ids.topk(k, dim=-1).values).long()  # [b, D, k]: smallest first
+    slot = torch.arange(k, device=logits.device)  # [k]
+    from_tied = tied_ids.gather(-1, (slot - num_above).clamp(min=0))  # [b, D, k]
+    ids = torch.where(slot < num_above, top_ids, from_tied)  # [b, D, k]
     values = logits.gather(-1, ids)
     key = _sort_key(_order_bits(values), ids)
     order = key.sort(dim=-1, descending=True).indices  # [b, D, k]
