@@ -17,9 +17,10 @@ Scores are float32 and summed parent-first, ``score(child) = score(parent) + log
 never comes after its child and an earlier sibling never after a later one, so the ``budget``
 first prefixes of this order are prefix-closed and are exactly what the heap pops.
 
-Every tie-break is encoded in one int64 sort key per candidate, ``(float32 order bits << 31) |
-(2**31 - 1 - index)``, so that ``topk`` (which is not stable) returns a unique, deterministic
-order on every device.
+Every tie-break is encoded in one int64 sort key per candidate (for log-prob scores <= 0:
+``(2**31 - 1 - index) - (bits of |score| << 31)``), so that ``topk``, which is not stable,
+returns one deterministic order on every device. Log-probs are clamped at ``LOGPROB_FLOOR`` so
+that -inf marks absent prefixes only.
 """
 
 from __future__ import annotations
