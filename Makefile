@@ -9,7 +9,7 @@ venv: $(VENV_STAMP)
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q torch==2.11.0
+	$(PY) -m pip install -q torch==2.11.0 transformers==5.17.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(VENV_STAMP)
 

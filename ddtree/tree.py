@@ -286,3 +286,26 @@ def _root_only(batch: int, depth: int, device: torch.device) -> DraftTree:
         ancestors=torch.zeros(batch, 1, depth + 1, dtype=torch.long, device=device),
         num_nodes=torch.zeros(batch, dtype=torch.long, device=device),
     )
+
+
+def chain_tree(draft_tokens: torch.Tensor) -> DraftTree:
+    """The plain DFlash chain as a tree: node d holds ``draft_tokens[:, d-1]``, parent d-1.
+
+    ``draft_tokens`` long ``[b, D]`` (e.g. the drafter's argmax per depth).
+    """
+    batch, depth = draft_tokens.shape
+    device = draft_tokens.device
+    slots = torch.arange(depth + 1, device=device).expand(batch, depth + 1)
+    root = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    tokens = torch.cat([root, draft_tokens.long()], 1)
+    parents = slots - 1
+    ancestors, mask = _ancestry(parents, depth)
+    return DraftTree(
+        tokens=tokens,
+        parents=parents,
+        depths=slots.clone(),
+        mask=mask,
+        scores=torch.zeros(batch, depth + 1, device=device),
+        ancestors=ancestors,
+        num_nodes=torch.full((batch,), depth, dtype=torch.long, device=device),
+    )

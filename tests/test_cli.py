@@ -1,0 +1,45 @@
+import pytest
+from models import make_drafter, make_target, save_word_tokenizer
+
+from ddtree.cli import main
+from ddtree.generate import generate
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = make_target(seed=0)
+    target.save_pretrained(root / "target")
+    save_word_tokenizer(root / "target", target.config.vocab_size)
+    make_drafter(target, root / "draft", seed=1)
+    return root / "target", root / "draft", target
+
+
+def test_generate_cli_prints_text_and_tau(model_dirs, capsys):
+    target_dir, draft_dir, target = model_dirs
+    argv = [
+        "generate",
+        "--target",
+        str(target_dir),
+        "--draft",
+        str(draft_dir),
+        "--budget",
+        "64",
+        "--prompt",
+        "w1 w15 w40",
+        "--max-new-tokens",
+        "12",
+    ]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    # Same tokens as the AR loop on the same ids (w1 w15 w40 -> ids 3 17 42).
+    want = generate(target, None, [3, 17, 42], "ar", max_new_tokens=12, stop_token_ids=[1]).tokens
+    words = " ".join(f"w{t - 2}" for t in want if t > 1)
+    assert out.strip() == words
+    assert "[ddtree]" in err and "tau" in err
+
+
+def test_generate_cli_needs_draft_for_ddtree(model_dirs):
+    target_dir, _, _ = model_dirs
+    with pytest.raises(SystemExit, match="needs --draft"):
+        main(["generate", "--target", str(target_dir), "--prompt", "w1"])
