@@ -1,9 +1,10 @@
-"""Command line: ``ddtree generate`` (the transformers reference loop)."""
+"""Command line: ``ddtree generate | train | tau``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,65 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ddtree.train.data import read_texts, stdlib_files, token_stream
+    from ddtree.train.recipes import DrafterRecipe, TargetRecipe, train_drafter, train_target
+    from ddtree.train.tokenizer import EOS, MASK, train_tokenizer
+
+    out = args.out
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    texts = read_texts(stdlib_files())
+    print(f"training data: {len(texts)} stdlib files, {sum(map(len, texts)) / 1e6:.1f} M chars")
+    if args.what in ("tokenizer", "all"):
+        tokenizer = train_tokenizer(texts, out / "tokenizer", vocab_size=args.vocab_size)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    if args.what == "tokenizer":
+        return 0
+    stream = token_stream(tokenizer, texts, tokenizer.convert_tokens_to_ids(EOS))
+    print(f"token stream: {stream.numel() / 1e6:.2f} M tokens")
+    if args.what in ("target", "all"):
+        recipe = TargetRecipe(steps=args.target_steps, seed=args.seed, **_small(args, "target"))
+        target = train_target(stream, tokenizer, out / "target", recipe, device)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
+    if args.what in ("drafter", "all"):
+        recipe = DrafterRecipe(steps=args.drafter_steps, seed=args.seed, **_small(args, "drafter"))
+        mask_id = tokenizer.convert_tokens_to_ids(MASK)
+        train_drafter(stream, target, out / "drafter", recipe, mask_id, device)
+    return 0
+
+
+def _small(args: argparse.Namespace, which: str) -> dict:
+    """--tiny: a seconds-long CPU smoke run of the whole recipe."""
+    if not args.tiny:
+        return {}
+    if which == "target":
+        return {"hidden_size": 32, "num_layers": 6, "intermediate_size": 64, "seq_len": 64,
+                "batch": 4, "warmup": 2}  # fmt: skip
+    return {"seq_len": 64, "batch": 4, "anchors": 4, "warmup": 2}
+
+
+def _tau(args: argparse.Namespace) -> int:
+    from ddtree.bench.tau import run
+
+    budgets = tuple(int(b) for b in args.budgets.split(","))
+    temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    run(
+        args.target,
+        args.draft,
+        args.out,
+        args.plot,
+        budgets=budgets,
+        temperatures=temperatures,
+        max_new_tokens=args.max_new_tokens,
+        count=args.prompts,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,10 +131,30 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+
+    train = sub.add_parser("train", help="train the tokenizer, target and DFlash drafter")
+    train.add_argument("what", choices=("tokenizer", "target", "drafter", "all"))
+    train.add_argument("--out", type=Path, required=True, help="directory for the models")
+    train.add_argument("--vocab-size", type=int, default=8192)
+    train.add_argument("--target-steps", type=int, default=3000)
+    train.add_argument("--drafter-steps", type=int, default=3000)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    train.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run")
+
+    tau = sub.add_parser("tau", help="acceptance (tau) vs budget on held-out prompts")
+    tau.add_argument("--target", type=Path, required=True)
+    tau.add_argument("--draft", type=Path, required=True)
+    tau.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    tau.add_argument("--plot", type=Path, default=None, help="PNG plot to write")
+    tau.add_argument("--budgets", default="16,32,64,128,255,511,1023")
+    tau.add_argument("--temperatures", default="0,1")
+    tau.add_argument("--prompts", type=int, default=12)
+    tau.add_argument("--max-new-tokens", type=int, default=96)
+
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        return _generate(args)
-    return 2
+    handlers = {"generate": _generate, "train": _train, "tau": _tau}
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":

@@ -101,19 +101,20 @@ class DFlashAttention(nn.Module):
         _, k = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, positions, ctx_positions) -> torch.Tensor:
+    def forward(self, x, cos, sin, ctx_k, ctx_v, positions, ctx_positions, mask=None):
+        """``mask`` (bool ``[b, 1, n, ctx+n]``, True = attend) restricts what the block sees."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k, v = self.project_kv(x, cos, sin)
         k = torch.cat([ctx_k, k], 2)
         v = torch.cat([ctx_v, v], 2)
-        mask = None
         if self.sliding_window is not None:
             key_positions = torch.cat([ctx_positions, positions], -1)  # [b, ctx+n]
-            mask = (positions[:, None, :, None] - key_positions[:, None, None, :]) < (
+            window = (positions[:, None, :, None] - key_positions[:, None, None, :]) < (
                 self.sliding_window
             )
+            mask = window if mask is None else mask & window
         out = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
@@ -128,9 +129,9 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, positions, ctx_positions):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, positions, ctx_positions, mask=None):
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, ctx_k, ctx_v, positions, ctx_positions)
+        x = x + self.self_attn(h, cos, sin, ctx_k, ctx_v, positions, ctx_positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,14 +183,24 @@ class DFlashDraftModel(nn.Module):
             positions if ctx.positions is None else torch.cat([ctx.positions, positions], 1)
         )
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx: DraftContext):
-        """Hidden states ``[b, block, H]`` of the block ``block_embeds`` at ``positions``."""
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: DraftContext,
+        mask: torch.Tensor | None = None,
+    ):
+        """Hidden states ``[b, n, H]`` of the block tokens ``block_embeds`` at ``positions``.
+
+        Without ``mask`` every block token sees the whole context and the whole block; training
+        packs several blocks and passes a bool ``mask [b, 1, n, ctx+n]``.
+        """
         if ctx.positions is None:
             raise ValueError("the drafter needs target context: call extend_context first")
         cos, sin = self.rotary_emb(block_embeds, positions)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx.keys[i], ctx.values[i], positions, ctx.positions)
+            x = layer(x, cos, sin, ctx.keys[i], ctx.values[i], positions, ctx.positions, mask)
         return self.norm(x)
 
 

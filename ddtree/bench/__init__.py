@@ -1,0 +1,1 @@
+"""Benchmarks: acceptance (tau) of the reference loop; engine benchmarks come later."""

@@ -1,0 +1,85 @@
+"""A small training loop shared by the target and drafter recipes: AdamW, warmup + cosine,
+bf16 autocast on CUDA, tqdm progress, resumable checkpoints, a seed."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(steps - warmup, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_loop(
+    model: torch.nn.Module,
+    loss_fn: Callable[[int], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    warmup: int,
+    checkpoint: Path,
+    save_every: int = 500,
+    desc: str = "train",
+    weight_decay: float = 0.01,
+) -> list[tuple[int, float]]:
+    """Run ``steps`` optimizer steps of ``loss_fn(step)``; resume from ``checkpoint`` if there.
+
+    Returns the loss history as (step, mean loss over the last ``save_every`` steps or fewer).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    start, history = 0, []
+    if checkpoint.exists():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, history = state["step"], state["history"]
+        torch.set_rng_state(state["rng"])
+    running, count = torch.zeros(()), 0  # summed on the device: no sync per step
+    bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps, mininterval=5)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        loss = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        running, count = running.to(loss.device) + loss.detach().float(), count + 1
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            history.append((step + 1, float(running) / count))
+            running, count = torch.zeros(()), 0
+            bar.set_postfix(loss=f"{history[-1][1]:.3f}")
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step + 1,
+                    "history": history,
+                    "rng": torch.get_rng_state(),
+                },
+                checkpoint,
+            )
+    return history
+
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
