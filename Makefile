@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.ddtree-installed
 
-.PHONY: venv test lint bench-tree
+.PHONY: venv test lint bench-tree demo
 
 venv: $(VENV_STAMP)
 
@@ -28,3 +28,12 @@ test: lint
 
 bench-tree: venv
 	$(PY) benchmarks/tree.py --device cpu --out benchmarks/results/tree_cpu.json
+
+# The main job until the vLLM server lands: DDTree on the bundled pair, text and tau printed.
+PROMPT ?= def merge_sorted(left, right):
+BUDGET ?= 64
+demo: venv
+	.venv/bin/ddtree generate --target models/target --draft models/drafter --method ddtree \
+		--budget $(BUDGET) --max-new-tokens 96 --prompt "$(PROMPT)"
+	.venv/bin/ddtree generate --target models/target --draft models/drafter --method dflash \
+		--max-new-tokens 96 --prompt "$(PROMPT)" > /dev/null

@@ -178,9 +178,14 @@ def generate(
     pos = length  # position of the root (the last emitted token, not yet in the cache)
     while True:
         t0 = time.perf_counter()
-        tree = _propose(method, target, drafter, embed, root, pos, draft_ctx, budget, chain_seed)
+        draft_logits = None
+        if method != "ar":
+            draft_logits = _draft(target, drafter, embed, root, pos, draft_ctx)  # [1, D, V]
+        t_draft = time.perf_counter()
+        tree = _tree(method, draft_logits, budget, chain_seed, device)
         t1 = time.perf_counter()
-        seconds["tree" if method == "ar" else "draft"] += t1 - t0
+        seconds["draft"] += t_draft - t0
+        seconds["tree"] += t1 - t_draft
         tokens = torch.where(tree.tokens >= 0, tree.tokens, 0)  # padding slots: any id
         tokens[:, 0] = root
         logits, features = _target_forward(
@@ -209,16 +214,20 @@ def generate(
         pos += accepted + 1
 
 
-def _propose(method, target, drafter, embed, root, pos, draft_ctx, budget, chain_seed) -> DraftTree:
-    """The tree to verify this step (root slot 0, token filled in by the caller)."""
+def _draft(target, drafter, embed, root, pos, draft_ctx) -> torch.Tensor:
+    """Drafter logits ``[1, D, V]`` for depths 1..D after ``root`` at position ``pos``."""
     device = root.device
-    if method == "ar":
-        return build_tree(torch.zeros(1, 1, 1, device=device), 0)
     block = torch.full((1, drafter.block_size), drafter.settings.mask_token_id, device=device)
     block[0, 0] = root[0]
     positions = pos + torch.arange(drafter.block_size, device=device).unsqueeze(0)
     hidden = drafter(embed(block), positions, draft_ctx)
-    draft_logits = target.get_output_embeddings()(hidden[:, 1:])  # [1, D, V]
+    return target.get_output_embeddings()(hidden[:, 1:])
+
+
+def _tree(method, draft_logits, budget, chain_seed, device) -> DraftTree:
+    """The tree to verify this step (root slot 0, token filled in by the caller)."""
+    if method == "ar":
+        return build_tree(torch.zeros(1, 1, 1, device=device), 0)
     if method == "dflash":
         return chain_tree(draft_logits.argmax(-1))
     return build_tree(draft_logits.float(), budget, chain_seed=chain_seed, check_values=False)
