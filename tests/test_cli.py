@@ -1,8 +1,9 @@
 import pytest
-from models import make_drafter, make_target, save_word_tokenizer
 
 from ddtree.cli import main
 from ddtree.generate import generate
+
+from models import make_drafter, make_target, save_word_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
 """build_tree and walk trace into one graph (no data-dependent Python control flow)."""
 
 import torch
-from helpers import agreeing_targets, make_logits
 
 import ddtree
+
+from helpers import agreeing_targets, make_logits
 
 
 def test_compile_fullgraph_matches_eager():

@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
-from models import known_pair, make_drafter, make_target
 
 from ddtree.dflash import DFlashConfigError, load_drafter, save_drafter
 from ddtree.generate import generate
+
+from models import known_pair, make_drafter, make_target
 
 PROMPTS = [[3, 17, 42, 5, 9], [60], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 

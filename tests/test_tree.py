@@ -1,11 +1,12 @@
 import pytest
 import torch
-from helpers import KINDS, make_logits, tree_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ddtree
 from ddtree.reference import build_tree_reference
+
+from helpers import KINDS, make_logits, tree_paths
 
 shapes = st.tuples(
     st.integers(1, 4),  # batch

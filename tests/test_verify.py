@@ -1,11 +1,12 @@
 import pytest
 import torch
-from helpers import KINDS, agreeing_targets, make_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ddtree
 from ddtree.reference import walk_reference
+
+from helpers import KINDS, agreeing_targets, make_logits
 
 
 @settings(max_examples=60, deadline=None)
