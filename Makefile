@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.ddtree-installed
 
-.PHONY: venv test lint bench-tree demo
+.PHONY: venv test lint bench-tree demo serve
 
 venv: $(VENV_STAMP)
 
@@ -29,7 +29,11 @@ test: lint
 bench-tree: venv
 	$(PY) benchmarks/tree.py --device cpu --out benchmarks/results/tree_cpu.json
 
-# The main job until the vLLM server lands: DDTree on the bundled pair, text and tau printed.
+# The main job: vLLM's OpenAI server with DDTree on the bundled pair, on 127.0.0.1:8000.
+serve: venv
+	.venv/bin/ddtree serve
+
+# DDTree vs the DFlash chain on the bundled pair with the reference loop: text and tau.
 PROMPT ?= def merge_sorted(left, right):
 BUDGET ?= 64
 demo: venv

@@ -1,4 +1,4 @@
-"""Command line: ``ddtree generate | train | tau``."""
+"""Command line: ``ddtree serve | generate | train | tau``."""
 
 from __future__ import annotations
 
@@ -126,6 +126,45 @@ def _tau(args: argparse.Namespace) -> int:
     return 0
 
 
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """The vLLM OpenAI server command line for ``ddtree serve``."""
+    import json
+
+    target = args.model or str(MODELS / "target")
+    draft = args.draft or (None if args.model else str(MODELS / "drafter"))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+           "--host", args.host, "--port", str(args.port)]  # fmt: skip
+    if draft is not None and args.budget > 0:
+        spec = {"method": "ddtree", "model": draft, "ddtree_budget": args.budget}
+        cmd += ["--speculative-config", json.dumps(spec)]
+        # Every running request may verify 1 + budget tokens in one step.
+        batched = max(2048, (args.budget + 1) * args.max_num_seqs + 512)
+        cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(batched)]
+    if not torch.cuda.is_available():
+        # float32 keeps the CPU attention's KV layout readable by the tree attention.
+        cmd += ["--dtype", "float32"]
+        # On the CPU this is the share of memory kept for the KV cache (vLLM's default 0.92
+        # fails as soon as anything else holds memory).
+        cmd += ["--gpu-memory-utilization", "0.3"]
+    return cmd + extra
+
+
+def _serve(args: argparse.Namespace, extra: list[str]) -> int:
+    import os
+
+    if args.model is None and not (MODELS / "target").is_dir():
+        raise SystemExit(f"ddtree serve: no --model given and no bundled pair in {MODELS}")
+    if args.model is not None and args.draft is None and args.budget > 0:
+        raise SystemExit("ddtree serve: --model needs --draft (a DFlash drafter) or --budget 0")
+    cmd = serve_command(args, extra)
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    os.execv(sys.executable, cmd)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,7 +209,24 @@ def main(argv: list[str] | None = None) -> int:
     tau.add_argument("--prompts", type=int, default=12)
     tau.add_argument("--max-new-tokens", type=int, default=96)
 
+    serve = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server with DDTree (the bundled pair by default); "
+        "arguments after -- go to vLLM",
+    )
+    serve.add_argument("--model", default=None, help="target model (default: models/target)")
+    serve.add_argument("--draft", default=None, help="DFlash drafter (default: models/drafter)")
+    serve.add_argument("--budget", type=int, default=64, help="tree nodes per step; 0: no spec")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-num-seqs", type=int, default=8)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args, extra)
     handlers = {"generate": _generate, "train": _train, "tau": _tau}
     return handlers[args.command](args)
 

@@ -1,0 +1,98 @@
+"""`ddtree serve`: vLLM's OpenAI server with DDTree answers like the no-spec server."""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, budget: int):
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--budget", str(budget),
+               "--port", str(self.port), "--max-num-seqs", "4", "--", "--seed", "0",
+               "--enforce-eager"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read().decode()[-3000:])
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        else:
+            self.stop()
+            raise TimeoutError("server did not start in 300 s")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none")
+        self.model = self.client.models.list().data[0].id
+
+    def stop(self):
+        self.proc.terminate()  # stopped by PID
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _chats(server):
+    """A streamed chat completion with a stop string, and a plain one; text, reason, usage."""
+    out = []
+    stream = server.client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "def quicksort(items):"}],
+        max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True},
+        stop=["return"],
+    )  # fmt: skip
+    text, reason, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage:
+            usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+    out.append((text, reason, usage))
+    done = server.client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "class Stack:"}],
+        max_tokens=40, temperature=0,
+    )  # fmt: skip
+    c = done.choices[0]
+    out.append((c.message.content, c.finish_reason,
+                (done.usage.prompt_tokens, done.usage.completion_tokens)))  # fmt: skip
+    return out
+
+
+def test_server_ddtree_answers_like_no_spec():
+    plain = Server(budget=0)
+    try:
+        want = _chats(plain)
+    finally:
+        plain.stop()
+    tree = Server(budget=64)
+    try:
+        got = _chats(tree)
+        metrics = urllib.request.urlopen(tree.url + "/metrics").read().decode()
+    finally:
+        tree.stop()
+    assert got == want
+    assert want[1][2][1] > 0  # tokens were generated
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"):  # fmt: skip
+        assert name in metrics, name
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]  # fmt: skip
+    assert float(accepted[0].split()[-1]) > 0  # the tree got tokens accepted
