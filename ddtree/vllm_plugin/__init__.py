@@ -1,4 +1,5 @@
-"""vLLM 0.26 glue for DDTree (work in progress: see docs/integration.md).
+"""DDTree as vLLM 0.26's speculative method "ddtree" (V1 model runner, CPU attention so far).
 
-Only engine-facing building blocks live here so far; nothing registers with vLLM yet.
+``patches.register`` is the ``vllm.general_plugins`` entry point; ``runtime`` holds the step;
+``cpu_tree_attention`` the tree-masked attention and KV commit. Map: docs/integration.md.
 """

@@ -65,15 +65,21 @@ def _patch_engine_args_create_speculative_config() -> None:
             return original(self, target_model_config, target_parallel_config)
         spec, options = parse_options(spec)
         budget = options.budget
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            # The tree mask is wired into vLLM's CPU attention only; on another backend the
+            # target would attend causally across siblings and outputs would be wrong.
+            raise NotImplementedError(
+                "ddtree in vLLM runs on the CPU backend only in this version (the GPU attention "
+                "and V2-runner paths are not wired yet); the core (ddtree.build_tree/walk) and "
+                "`ddtree generate` do run on the GPU"
+            )
         if self.max_num_batched_tokens is not None and budget >= self.max_num_batched_tokens:
             raise ValueError(
                 f"ddtree_budget {budget} must be below max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}: a request verifies 1 + budget tokens at once"
             )
-        if self.structured_outputs_config is not None and getattr(
-            self.structured_outputs_config, "backend", "auto"
-        ) not in ("auto", None):
-            raise ValueError("ddtree does not support structured outputs yet")
         self.speculative_config = spec
         try:
             config = original(self, target_model_config, target_parallel_config)
@@ -127,6 +133,8 @@ def _patch_gpu_model_runner() -> None:
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = prepare_inputs(self, scheduler_output, *args, **kwargs)
         if _ddtree_on(self):
+            if getattr(scheduler_output, "has_structured_output_requests", False):
+                raise NotImplementedError("ddtree does not support structured output yet")
             runtime.after_prepare_inputs(self, scheduler_output)
         return result
 
