@@ -34,14 +34,14 @@ class DFlashConfigError(ValueError):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spaced target layers from 1 to L-3 (the middle layer for a one-layer drafter),
-    clipped to the target's layers for targets of fewer than 4 layers."""
+    """Evenly spaced target layers from 1 to L-3 (the middle layer for a one-layer drafter);
+    for small targets the range grows towards L-1 so that the layers stay distinct."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    first, last = 1, max(num_target_layers - 3, 1)
+    first = max(min(1, num_target_layers - num_draft_layers), 0)
+    last = min(max(num_target_layers - 3, first + num_draft_layers - 1), num_target_layers - 1)
     step = (last - first) / (num_draft_layers - 1)
-    ids = [int(round(first + i * step)) for i in range(num_draft_layers)]
-    return [min(i, num_target_layers - 1) for i in ids]
+    return [int(round(first + i * step)) for i in range(num_draft_layers)]
 
 
 @dataclass
@@ -68,7 +68,13 @@ def read_settings(config: Qwen3Config) -> DFlashSettings:
                 "nor num_target_layers"
             )
         layer_ids = default_target_layer_ids(num_target, config.num_hidden_layers)
-    return DFlashSettings(block_size, int(dflash["mask_token_id"]), [int(i) for i in layer_ids])
+    layer_ids = [int(i) for i in layer_ids]
+    if len(set(layer_ids)) != len(layer_ids):
+        raise DFlashConfigError(
+            f"target_layer_ids {layer_ids} repeat a layer (engines capture each layer once): "
+            "set dflash_config.target_layer_ids explicitly"
+        )
+    return DFlashSettings(block_size, int(dflash["mask_token_id"]), layer_ids)
 
 
 class DFlashAttention(nn.Module):

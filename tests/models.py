@@ -63,7 +63,7 @@ def known_pair(tmp: Path, target_next, draft_token: int, vocab: int = 32, block_
     """Target whose argmax after token x is ``target_next(x)`` whatever the context; drafter that
     proposes ``draft_token`` at every depth. Attention and MLP outputs are zeroed, so the last
     hidden state is the current token's embedding (a scaled one-hot)."""
-    target = make_target(vocab=vocab, hidden=vocab, layers=2)
+    target = make_target(vocab=vocab, hidden=vocab, layers=2)  # hidden = vocab: one-hot states
     drafter = make_drafter(target, tmp, block_size=block_size, target_layer_ids=[0, 1])
     with torch.no_grad():
         for model in (target.model, drafter):

@@ -241,6 +241,7 @@ def _edit_config(path, **changes):
         ({"dflash_config": {"target_layer_ids": [0, 4]}}, r"target_layer_ids \[4\] out of range"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "lack DFlashDraftModel"),
         ({"block_size": 1}, "block_size must be an int >= 2"),
+        ({"dflash_config": {"target_layer_ids": [1, 1]}}, r"target_layer_ids \[1, 1\] repeat"),
     ],
 )
 def test_loader_rejects_mismatches(pair, tmp_path, changes, message):
