@@ -210,9 +210,9 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
 
-def check_pair(drafter: DFlashDraftModel, target_config) -> None:
-    """Raise DFlashConfigError if the drafter cannot serve this target."""
-    cfg, s = drafter.config, drafter.settings
+def check_pair(drafter_config: Qwen3Config, target_config) -> None:
+    """Raise DFlashConfigError if a drafter with ``drafter_config`` cannot serve this target."""
+    cfg, s = drafter_config, read_settings(drafter_config)
     if cfg.hidden_size != target_config.hidden_size:
         raise DFlashConfigError(
             f"drafter hidden_size {cfg.hidden_size} != target hidden_size "
@@ -235,6 +235,19 @@ def check_pair(drafter: DFlashDraftModel, target_config) -> None:
         )
 
 
+def read_config(config_path: Path) -> Qwen3Config:
+    """A drafter's config.json as a Qwen3Config carrying the DFlash fields."""
+    raw = json.loads(config_path.read_text())
+    archs = raw.get("architectures") or []
+    if "DFlashDraftModel" not in archs:
+        raise DFlashConfigError(f"{config_path}: architectures {archs} lack DFlashDraftModel")
+    config = Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    for key in ("block_size", "dflash_config", "num_target_layers"):
+        if key in raw:
+            setattr(config, key, raw[key])
+    return config
+
+
 def load_drafter(
     path: str | Path,
     target_config=None,
@@ -249,17 +262,10 @@ def load_drafter(
     config_path = path / "config.json"
     if not config_path.is_file():
         raise DFlashConfigError(f"no config.json in drafter directory {path}")
-    raw = json.loads(config_path.read_text())
-    archs = raw.get("architectures") or []
-    if "DFlashDraftModel" not in archs:
-        raise DFlashConfigError(f"{config_path}: architectures {archs} lack DFlashDraftModel")
-    config = Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
-    for key in ("block_size", "dflash_config", "num_target_layers"):
-        if key in raw:
-            setattr(config, key, raw[key])
+    config = read_config(config_path)
     drafter = DFlashDraftModel(config)
     if target_config is not None:
-        check_pair(drafter, target_config)
+        check_pair(config, target_config)
     weights_path = path / "model.safetensors"
     if not weights_path.is_file():
         raise DFlashConfigError(f"no model.safetensors in drafter directory {path}")

@@ -147,7 +147,7 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p)
     _check_target(target)
     if drafter is not None and method != "ar":
-        check_pair(drafter, target.config)
+        check_pair(drafter.config, target.config)
     device = target.device
     prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(1, -1)
     if prompt.shape[1] == 0:

@@ -91,3 +91,39 @@ def test_budget_above_batched_tokens_is_refused():
     with pytest.raises(ValueError, match="must be below max_num_batched_tokens"):
         vllm.LLM(model=str(MODELS / "target"), speculative_config=spec,
                  max_num_batched_tokens=256, gpu_memory_utilization=0.2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 128}, "hidden_size 128 != target hidden_size 256"),
+        ({"vocab_size": 9000}, "vocab_size 9000 != target vocab_size 8192"),
+        ({"dflash_config": {"mask_token_id": 9000}}, "mask_token_id 9000 is not in the target"),
+        (
+            {"dflash_config": {"target_layer_ids": [1, 2, 7]}},
+            r"target_layer_ids \[7\] out of range",
+        ),
+    ],
+)
+def test_mismatched_drafter_is_refused_at_start(tmp_path, change, message):
+    import json
+    import shutil
+
+    draft = tmp_path / "drafter"
+    shutil.copytree(MODELS / "drafter", draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    for key, value in change.items():
+        if key == "dflash_config":
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    (draft / "config.json").write_text(json.dumps(cfg))
+    spec = {"method": "ddtree", "model": str(draft), "ddtree_budget": 16}
+    with pytest.raises(ValueError, match=message):
+        vllm.LLM(
+            model=str(MODELS / "target"),
+            speculative_config=spec,
+            max_num_batched_tokens=2048,
+            max_num_seqs=4,
+            gpu_memory_utilization=0.2,
+        )

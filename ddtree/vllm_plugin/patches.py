@@ -80,6 +80,7 @@ def _patch_engine_args_create_speculative_config() -> None:
                 f"ddtree_budget {budget} must be below max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}: a request verifies 1 + budget tokens at once"
             )
+        check_drafter_fits(spec["model"], target_model_config.hf_config)
         self.speculative_config = spec
         try:
             config = original(self, target_model_config, target_parallel_config)
@@ -89,6 +90,21 @@ def _patch_engine_args_create_speculative_config() -> None:
         return config
 
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def check_drafter_fits(draft_path: str, target_hf_config) -> None:
+    """Refuse at start-up a drafter that cannot serve the target (a local z-lab checkpoint)."""
+    from pathlib import Path
+
+    from ddtree.dflash import DFlashConfigError, check_pair, read_config
+
+    config_path = Path(draft_path) / "config.json"
+    if not config_path.is_file():
+        return  # a hub id: vLLM resolves and checks it
+    try:
+        check_pair(read_config(config_path), target_hf_config)
+    except DFlashConfigError as err:
+        raise ValueError(f"ddtree: drafter {draft_path} does not fit the target: {err}") from err
 
 
 def _ddtree_on(runner) -> bool:
