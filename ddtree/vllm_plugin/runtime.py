@@ -190,11 +190,18 @@ def make_proposer_class(base):
 
     class DDTreeProposer(base):
         def __init__(self, vllm_config, device, runner=None):
-            super().__init__(vllm_config, device, runner)
-            options: DDTreeOptions = vllm_config.speculative_config.ddtree
+            spec = vllm_config.speculative_config
+            options: DDTreeOptions = spec.ddtree
+            block = getattr(spec.draft_model_config.hf_config, "block_size", None) or 16
+            # The drafter runs 1 + D queries per request while vLLM schedules B tree nodes: its
+            # query buffers are sized from num_speculative_tokens, so size them for max(B, D)
+            # (B < D would overflow them) and give vLLM back B afterwards.
+            spec.num_speculative_tokens = max(options.budget, block - 1)
+            try:
+                super().__init__(vllm_config, device, runner)
+            finally:
+                spec.num_speculative_tokens = options.budget
             self.ddtree = options
-            hf = self.draft_model_config.hf_config
-            block = getattr(hf, "block_size", None) or 16
             self.draft_depth = block - 1
             self._draft_logits = None
 
