@@ -86,14 +86,27 @@ def _train(args: argparse.Namespace) -> int:
     else:
         target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
     if args.what in ("drafter", "all"):
-        recipe = DrafterRecipe(steps=args.drafter_steps, seed=args.seed, **_small(args, "drafter"))
+        recipe = DrafterRecipe(
+            steps=args.drafter_steps, seed=args.seed, num_layers=args.drafter_layers,
+            intermediate_size=args.drafter_intermediate_size, lr=args.drafter_lr,
+            time_limit=args.time_limit,
+            **_small(args, "drafter"),
+        )  # fmt: skip
         mask_id = tokenizer.convert_tokens_to_ids(MASK)
-        if args.distill_tokens > 0:  # train on the target's own outputs
+        cache = args.distill_cache
+        if cache is not None and cache.exists():
+            stream = torch.load(cache)
+            print(f"distilled stream: {stream.numel() / 1e6:.2f} M tokens from {cache}")
+        elif args.distill_tokens > 0:  # train on the target's own outputs
             eos_id = tokenizer.convert_tokens_to_ids(EOS)
             small = {"length": 64, "prompt_len": 16, "batch": 4} if args.tiny else {}
             stream = distill_stream(target, stream, args.distill_tokens, eos_id=eos_id,
-                                    device=device, seed=args.seed, **small)  # fmt: skip
+                                    device=device, seed=args.seed,
+                                    greedy_fraction=args.greedy_fraction, **small)  # fmt: skip
             print(f"distilled stream: {stream.numel() / 1e6:.2f} M tokens")
+            if cache is not None:  # written whole, then renamed: readers never see a part
+                torch.save(stream, cache.with_suffix(".partial"))
+                cache.with_suffix(".partial").rename(cache)
         train_drafter(stream, target, out / "drafter", recipe, mask_id, device)
     return 0
 
@@ -194,6 +207,32 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=3_000_000,
         help="train the drafter on this many tokens of the target's own outputs (0: on the data)",
+    )
+    train.add_argument(
+        "--greedy-fraction",
+        type=float,
+        default=0.5,
+        help="share of distilled continuations decoded greedily (rest: T=0.8)",
+    )
+    train.add_argument(
+        "--distill-cache",
+        type=Path,
+        default=None,
+        help="load the distilled stream from this file, or save it there",
+    )
+    train.add_argument("--drafter-layers", type=int, default=3)
+    train.add_argument(
+        "--drafter-intermediate-size",
+        type=int,
+        default=None,
+        help="drafter MLP width (default: the target's)",
+    )
+    train.add_argument("--drafter-lr", type=float, default=1e-3)
+    train.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds: end drafter training early (saved, logged) once passed",
     )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")

@@ -40,6 +40,7 @@ class TargetRecipe:
 @dataclass
 class DrafterRecipe:
     num_layers: int = 3
+    intermediate_size: int | None = None  # None: the target's
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 4])
     seq_len: int = 512
@@ -50,6 +51,7 @@ class DrafterRecipe:
     lr: float = 1e-3
     warmup: int = 100
     seed: int = 0
+    time_limit: float | None = None  # seconds; stop early (after a checkpoint) once passed
 
 
 def train_target(stream, tokenizer, out: Path, recipe: TargetRecipe, device) -> Qwen3ForCausalLM:
@@ -103,12 +105,16 @@ def distill_stream(
     eos_id: int,
     device,
     seed: int = 0,
+    greedy_fraction: float = 0.5,
 ) -> torch.Tensor:
     """The target's own continuations of random training prompts, joined by ``eos_id``.
 
     A drafter must predict what the target will say, not what the data says: DFlash trains
-    on target outputs. Half the batches are greedy, half sampled at T=0.8.
+    on target outputs. A ``greedy_fraction`` of the batches is greedy, the rest sampled at
+    T=0.8.
     """
+    if not 0.0 <= greedy_fraction <= 1.0:
+        raise ValueError(f"greedy_fraction must be in [0, 1], got {greedy_fraction}")
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(seed)
@@ -119,7 +125,7 @@ def distill_stream(
     step = 0
     while total < num_tokens:
         prompts = sample_windows(stream, batch, prompt_len, gen).to(device)
-        greedy = step % 2 == 0
+        greedy = (step + 1) * greedy_fraction // 1 > step * greedy_fraction // 1
         with autocast(device):
             out = target.generate(
                 prompts, max_new_tokens=length - prompt_len, min_new_tokens=length - prompt_len,
@@ -170,7 +176,7 @@ def train_drafter(stream, target, out: Path, recipe: DrafterRecipe, mask_token_i
     config = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
+        intermediate_size=recipe.intermediate_size or tc.intermediate_size,
         num_hidden_layers=recipe.num_layers,
         num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads,
@@ -209,7 +215,7 @@ def train_drafter(stream, target, out: Path, recipe: DrafterRecipe, mask_token_i
     t0 = time.time()
     history = train_loop(
         drafter, loss_fn, steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup,
-        checkpoint=out.parent / f".{out.name}.ckpt", desc="drafter",
+        checkpoint=out.parent / f".{out.name}.ckpt", desc="drafter", time_limit=recipe.time_limit,
     )  # fmt: skip
     drafter.eval().to(torch.bfloat16)
     drafter.config.dtype = "bfloat16"

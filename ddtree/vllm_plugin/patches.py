@@ -29,7 +29,12 @@ def register() -> None:
     _patch_engine_args_create_speculative_config()
     _patch_scheduler_init()
     _patch_gpu_model_runner()
-    _patch_cpu_attention_forward()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _patch_cpu_attention_forward()
+    elif current_platform.is_cuda():
+        _patch_flash_attention_forward()
     _APPLIED = True
 
 
@@ -68,13 +73,14 @@ def _patch_engine_args_create_speculative_config() -> None:
         budget = options.budget
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            # The tree mask is wired into vLLM's CPU attention only; on another backend the
-            # target would attend causally across siblings and outputs would be wrong.
+        if current_platform.is_cuda():
+            _configure_for_cuda(self)
+        elif not current_platform.is_cpu():
+            # The tree mask is wired into vLLM's CPU and FlashAttention paths only; elsewhere
+            # the target would attend causally across siblings and outputs would be wrong.
             raise NotImplementedError(
-                "ddtree in vLLM runs on the CPU backend only in this version (the GPU attention "
-                "and V2-runner paths are not wired yet); the core (ddtree.build_tree/walk) and "
-                "`ddtree generate` do run on the GPU"
+                f"ddtree in vLLM runs on the CPU and CUDA platforms only, not on "
+                f"{current_platform.device_name!r}"
             )
         if self.max_num_batched_tokens is not None and budget >= self.max_num_batched_tokens:
             raise ValueError(
@@ -91,6 +97,43 @@ def _patch_engine_args_create_speculative_config() -> None:
         return config
 
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _configure_for_cuda(args) -> None:
+    """The engine settings the GPU tree path needs; an explicit conflicting choice is refused.
+
+    - the V1 model runner (the V2 port is not done): ``VLLM_USE_V2_MODEL_RUNNER=0``;
+    - no async scheduling (the tree sampler reads accepted lengths on the host);
+    - piecewise CUDA graphs: attention stays eager between graphs, where the tree mask is
+      applied (a full graph would replay a causal attention).
+    """
+    import logging
+    import os
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    log = logging.getLogger("ddtree")
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if v2 is not None and v2.strip().lower() in ("1", "true"):
+        raise ValueError(
+            "ddtree runs in vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER or set it to 0"
+        )
+    if v2 is None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by the engine-core process
+        log.info("ddtree: VLLM_USE_V2_MODEL_RUNNER=0 (the V1 model runner)")
+    if args.async_scheduling:
+        raise ValueError("ddtree does not support async_scheduling yet: drop --async-scheduling")
+    args.async_scheduling = False
+    compilation = args.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is not None and mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        raise ValueError(
+            f"ddtree needs compilation_config.cudagraph_mode PIECEWISE or NONE, got {mode.name}: "
+            "the tree mask is applied in eager attention between piecewise graphs"
+        )
+    if mode is None and not args.enforce_eager:
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        log.info("ddtree: compilation_config.cudagraph_mode=PIECEWISE")
 
 
 def check_drafter_fits(draft_path: str, target_hf_config) -> None:
@@ -216,3 +259,24 @@ def _patch_cpu_attention_forward() -> None:
         return out
 
     impl_cls.forward = cpu_attention_forward
+
+
+def _patch_flash_attention_forward() -> None:
+    from vllm.v1.attention.backends import flash_attn
+
+    impl_cls = flash_attn.FlashAttentionImpl
+    forward = impl_cls.forward
+
+    @functools.wraps(forward)
+    def flash_attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                                *args, **kwargs):  # fmt: skip
+        out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                      **kwargs)  # fmt: skip
+        state = runtime.STATE
+        if attn_metadata is not None and state.attention_active:
+            group = state.layer_groups.get(getattr(layer, "layer_name", None))
+            if group is not None:
+                runtime.tree_attention_override(self, query, kv_cache, attn_metadata, output, group)
+        return out
+
+    impl_cls.forward = flash_attention_forward

@@ -24,7 +24,7 @@ import torch
 from ddtree.generate import Sampling
 from ddtree.tree import DraftTree, build_tree, chain_tree
 from ddtree.verify import walk
-from ddtree.vllm_plugin.cpu_tree_attention import compact_paged_kv, tree_attention
+from ddtree.vllm_plugin import cpu_tree_attention, flash_tree_attention
 
 
 @dataclass
@@ -57,6 +57,7 @@ class StepState:
 
 
 STATE = StepState()
+SUPPORTED_ATTENTION_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")
 
 
 def truncate(tree: DraftTree, num_nodes: int) -> DraftTree:
@@ -81,7 +82,15 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
     STATE.verifying.clear()
     STATE.paths.clear()
     if not STATE.layer_groups:
-        STATE.layer_groups = {name: g for g, name, _ in target_attention_layers(runner)}
+        layers = list(target_attention_layers(runner))
+        for _, name, layer in layers:
+            impl = type(layer.impl).__name__
+            if impl not in SUPPORTED_ATTENTION_IMPLS:
+                raise NotImplementedError(
+                    f"ddtree: target layer {name} uses {impl}; the tree mask is wired into "
+                    f"{SUPPORTED_ATTENTION_IMPLS} only (on the GPU: attention_backend=FLASH_ATTN)"
+                )
+        STATE.layer_groups = {name: g for g, name, _ in layers}
     batch = runner.input_batch
     starts = runner.query_start_loc.cpu[: batch.num_reqs + 1].tolist()
     spec = scheduler_output.scheduled_spec_decode_tokens
@@ -91,7 +100,8 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
             continue
         tree = STATE.trees.get(req_id)
         if tree is None:  # placeholder drafts: a chain of nodes that can never match
-            tree = chain_tree(torch.full((1, num_drafts), -1, dtype=torch.long))
+            tree = chain_tree(torch.full((1, num_drafts), -1, dtype=torch.long,
+                                         device=runner.positions.device))  # fmt: skip
         tree = truncate(tree, num_drafts)
         context = int(batch.num_computed_tokens_cpu[index])
         start = starts[index]
@@ -106,10 +116,11 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
 
 def tree_attention_override(impl, query, kv_cache, attn_metadata, output, group: int) -> None:
     """Redo the attention of the tree requests of this step with their ancestor masks."""
+    backend = cpu_tree_attention if hasattr(impl, "isa") else flash_tree_attention
     for req in STATE.verifying.values():
         q = req.tree.tokens.shape[1]
         rows = slice(req.start, req.start + q)
-        out = tree_attention(
+        out = backend.tree_attention(
             query[rows], kv_cache, req.block_tables[group], req.context + q, req.tree.mask[0],
             impl.scale,
         )  # fmt: skip
@@ -139,7 +150,7 @@ def tree_sample(runner, logits: torch.Tensor, metadata, sampling_metadata):
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     width = metadata.max_spec_len + 1
-    out = torch.full((num_reqs, width), -1, dtype=torch.int32)
+    out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
     row = 0
     for index, req_id in enumerate(batch.req_ids[:num_reqs]):
         num_drafts = metadata.num_draft_tokens[index]
@@ -169,7 +180,11 @@ def _commit_kv(runner, req: TreeRequest, path: torch.Tensor) -> None:
     """Move the accepted path's K/V to the slots right after the context, in every target layer."""
     for group, _, layer in target_attention_layers(runner):
         kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-        compact_paged_kv(kv_cache, req.block_tables[group], req.context, path, layer.impl.isa)
+        table = req.block_tables[group]
+        if hasattr(layer.impl, "isa"):  # vLLM's CPU attention
+            cpu_tree_attention.compact_paged_kv(kv_cache, table, req.context, path, layer.impl.isa)
+        else:
+            flash_tree_attention.compact_paged_kv(kv_cache, table, req.context, path)
 
 
 def target_attention_layers(runner):
@@ -241,10 +256,12 @@ def _reorder_context(runner, token_ids, positions, hidden_states) -> None:
     for req_id, path in STATE.paths.items():
         req = STATE.verifying[req_id]
         q = req.tree.tokens.shape[1]
-        rows = torch.arange(req.start, req.start + q)
-        rest = torch.ones(q, dtype=torch.bool)
+        device = token_ids.device
+        path = path.to(device)
+        rows = torch.arange(req.start, req.start + q, device=device)
+        rest = torch.ones(q, dtype=torch.bool, device=device)
         rest[path] = False
-        order = req.start + torch.cat([path, torch.arange(q)[rest]])
+        order = req.start + torch.cat([path, torch.arange(q, device=device)[rest]])
         token_ids[rows] = token_ids[order].clone()
         hidden_states[rows] = hidden_states[order].clone()
-        positions[rows] = req.context + torch.arange(q)
+        positions[rows] = req.context + torch.arange(q, device=positions.device)

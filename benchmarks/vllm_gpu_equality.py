@@ -1,0 +1,201 @@
+"""Greedy DDTree inside vLLM 0.26 on the GPU equals no-spec vLLM, token for token (issue 5).
+
+V1 model runner, FLASH_ATTN, CUDA graphs on (piecewise for DDTree; vLLM's default for
+no-spec), bfloat16. Cases: the bundled pair (held-out prompts) and a random Qwen3 target with a
+random DFlash drafter (random token prompts); a mixed batch of 8 requests per case (prompt
+lengths, max_tokens and stop tokens differ). Every engine is its own process and they run side
+by side on the one GPU (each with a fixed 1 GiB KV cache, so no memory profiling races).
+
+    python benchmarks/vllm_gpu_equality.py --out DIR        # all cases, then the comparison
+    python benchmarks/vllm_gpu_equality.py --case pair_ddtree_64 --out DIR   # one engine
+
+Writes DIR/<case>.json, DIR/<case>.log and DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGETS = (1, 15, 64, 255)
+CASES = [f"pair_{m}" for m in ("nospec", *(f"ddtree_{b}" for b in BUDGETS))] + [
+    "random_nospec", "random_ddtree_15", "random_ddtree_64",
+]  # fmt: skip
+MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
+PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
+
+
+def _models(kind: str, out: Path) -> tuple[Path, Path]:
+    if kind == "pair":
+        return ROOT / "models" / "target", ROOT / "models" / "drafter"
+    return out / "random_target", out / "random_drafter"
+
+
+def make_random_pair(out: Path) -> None:
+    """A random Qwen3 target (sharpened head) + random DFlash drafter, saved for vLLM."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ddtree.dflash import DFlashDraftModel, save_drafter
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)  # fmt: skip
+    target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=4, tie_word_embeddings=False, **shape))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20)  # sharp logits: few near-ties in bfloat16
+    target.save_pretrained(out / "random_target")
+    config = Qwen3Config(num_hidden_layers=2, **shape)
+    config.block_size = 16
+    config.num_target_layers = 4
+    config.dflash_config = {"mask_token_id": 1023, "target_layer_ids": [0, 1, 2]}
+    save_drafter(DFlashDraftModel(config), out / "random_drafter")
+
+
+def _prompts(kind: str, target: Path) -> list[list[int]]:
+    if kind == "pair":
+        from transformers import AutoTokenizer
+
+        from ddtree.bench.tau import held_out_prompts
+
+        full = held_out_prompts(AutoTokenizer.from_pretrained(target), len(PROMPT_LENS))
+        return [p[:n] for p, n in zip(full, PROMPT_LENS, strict=True)]
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(4, 1000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def run_case(name: str, out: Path, dtype: str) -> None:
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    kind, method = name.split("_", 1)
+    target, drafter = _models(kind, out)
+    spec = None
+    if method != "nospec":
+        spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": int(method[7:])}
+    t0 = time.time()
+    llm = vllm.LLM(
+        model=str(target), speculative_config=spec, dtype=dtype, max_model_len=1024,
+        max_num_seqs=8, seed=0, kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.05,
+        skip_tokenizer_init=kind == "random", disable_log_stats=False,
+    )  # fmt: skip
+    started = time.time() - t0
+    prompts = _prompts(kind, target)
+    stop = [[], [], [202 if kind == "pair" else 7], [], [], [], [10], []]  # 202: newline
+    params = [
+        vllm.SamplingParams(temperature=0, max_tokens=m, stop_token_ids=s, detokenize=False)
+        for m, s in zip(MAX_TOKENS, stop, strict=True)
+    ]
+    t1 = time.time()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    seconds = time.time() - t1
+    config = llm.llm_engine.vllm_config
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            value = getattr(metric, "value", None)
+            metrics[metric.name] = value if value is not None else getattr(metric, "values", None)
+    result = {
+        "case": name,
+        "outputs": [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "v2_model_runner": config.use_v2_model_runner,
+        "engine_start_s": round(started, 1),
+        "generate_s": round(seconds, 2),
+        "spec_metrics": metrics,
+    }
+    (out / f"{name}.json").write_text(json.dumps(result) + "\n")
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where the token lists differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _dist_info(site: Path) -> None:
+    """Make ``ddtree`` (on PYTHONPATH, not pip-installed) visible to vLLM's plugin loader."""
+    info = site / "ddtree-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ddtree\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nddtree = ddtree.vllm_plugin.patches:register\n"
+    )
+
+
+def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
+    import os
+
+    out.mkdir(parents=True, exist_ok=True)
+    make_random_pair(out)
+    env = dict(os.environ)
+    if site is not None:
+        _dist_info(site)
+        env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
+    procs = {}
+    for name in cases:
+        log = (out / f"{name}.log").open("w")
+        cmd = [sys.executable, __file__, "--case", name, "--out", str(out), "--dtype", dtype]
+        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        time.sleep(3)
+    codes = {name: p.wait() for name, p in procs.items()}
+    results = {}
+    for name in cases:
+        path = out / f"{name}.json"
+        results[name] = json.loads(path.read_text()) if path.exists() else None
+    rows = []
+    for name in cases:
+        kind, method = name.split("_", 1)
+        if method == "nospec":
+            continue
+        base, got = results[f"{kind}_nospec"], results[name]
+        row = {"case": name, "exit_code": codes[name]}
+        if base is None or got is None:
+            row["equal"] = None
+        else:
+            pairs = list(zip(base["outputs"], got["outputs"], strict=True))
+            row["equal"] = all(a == b for a, b in pairs)
+            row["requests_equal"] = sum(a == b for a, b in pairs)
+            row["tokens"] = sum(len(a[0]) for a, _ in pairs)
+            row["first_divergence"] = [_divergence(a[0], b[0]) for a, b in pairs]
+            row["cudagraph_mode"] = got["cudagraph_mode"]
+            row["nospec_cudagraph_mode"] = base["cudagraph_mode"]
+            row["v2_model_runner"] = got["v2_model_runner"]
+            row["generate_s"] = got["generate_s"]
+            row["nospec_generate_s"] = base["generate_s"]
+            row["spec_metrics"] = got["spec_metrics"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "spec_metrics"}))
+    summary = {"exit_codes": codes, "rows": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--case", choices=CASES, default=None)
+    parser.add_argument("--cases", default=",".join(CASES), help="driver: comma-separated cases")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--site", type=Path, default=Path("/tmp/ddtree-site"),
+                        help="where to put the plugin's entry-point metadata")  # fmt: skip
+    args = parser.parse_args()
+    if args.case is not None:
+        run_case(args.case, args.out, args.dtype)
+        return 0
+    summary = drive(args.out, args.site, args.dtype, args.cases.split(","))
+    return 0 if all(r.get("equal") for r in summary["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
