@@ -96,6 +96,12 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     seconds = time.time() - t1
+    # Sampling (T=1, top-k, top-p) must run too; its tokens are not compared (random).
+    sampled = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=64, seed=1,
+                            detokenize=False),
+    )  # fmt: skip
     config = llm.llm_engine.vllm_config
     metrics = {}
     for metric in llm.get_metrics():
@@ -105,6 +111,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     result = {
         "case": name,
         "outputs": [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
+        "sampled_lengths": [len(o.outputs[0].token_ids) for o in sampled],
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "v2_model_runner": config.use_v2_model_runner,
         "engine_start_s": round(started, 1),

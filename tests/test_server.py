@@ -85,9 +85,14 @@ def test_server_ddtree_answers_like_no_spec():
     try:
         got = _chats(tree)
         metrics = urllib.request.urlopen(tree.url + "/metrics").read().decode()
+        refused = _unsupported_requests(tree)
+        again = _chats(tree)  # the server lives on after the refusals
     finally:
         tree.stop()
-    assert got == want
+    assert got == want and again == want
+    for kwargs, message in refused:
+        assert message is not None, f"{kwargs} was not refused"
+        assert "ddtree" in message or "speculative decoding" in message, message  # vLLM's own
     assert want[1][2][1] > 0  # tokens were generated
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total",
@@ -96,3 +101,30 @@ def test_server_ddtree_answers_like_no_spec():
     accepted = [line for line in metrics.splitlines()
                 if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]  # fmt: skip
     assert float(accepted[0].split()[-1]) > 0  # the tree got tokens accepted
+
+
+UNSUPPORTED = [
+    {"logprobs": True, "top_logprobs": 2},
+    {"presence_penalty": 0.5},
+    {"frequency_penalty": 0.5},
+    {"logit_bias": {"5": 10}},
+    {"extra_body": {"repetition_penalty": 1.2}},
+    {"extra_body": {"min_tokens": 3}},
+    {"extra_body": {"min_p": 0.1}},
+    {"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}},
+]
+
+
+def _unsupported_requests(server):
+    """Each unsupported per-request option: (kwargs, the 400's message or None if served)."""
+    out = []
+    for kwargs in UNSUPPORTED:
+        try:
+            server.client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "x = "}],
+                max_tokens=4, temperature=1.0, **kwargs,  # T=0 would reset min_p
+            )  # fmt: skip
+            out.append((kwargs, None))
+        except openai.BadRequestError as err:
+            out.append((kwargs, str(err)))
+    return out

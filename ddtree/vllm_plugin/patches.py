@@ -28,6 +28,7 @@ def register() -> None:
         )
     _patch_engine_args_create_speculative_config()
     _patch_scheduler_init()
+    _patch_input_processor_validate_params()
     _patch_gpu_model_runner()
     from vllm.platforms import current_platform
 
@@ -167,6 +168,45 @@ def _patch_scheduler_init() -> None:
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
 
     Scheduler.__init__ = scheduler_init
+
+
+def unsupported_request(params) -> str | None:
+    """Why a request's sampling parameters cannot be served by the tree sampler (None: they
+    can). The tree sampler applies temperature, top-k and top-p; anything else that changes
+    the target's distribution or asks for more output is refused, never silently ignored."""
+    if params.logprobs is not None:
+        return "logprobs are not returned with ddtree yet: drop 'logprobs'"
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0), ("min_p", 0.0)):  # fmt: skip
+        value = getattr(params, name, neutral)
+        if value is not None and value != neutral:
+            return f"{name}={value} is not supported with ddtree yet"
+    if getattr(params, "min_tokens", 0):
+        return f"min_tokens={params.min_tokens} is not supported with ddtree yet"
+    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+        if getattr(params, name, None):
+            return f"{name} is not supported with ddtree yet"
+    if getattr(params, "structured_outputs", None) is not None:
+        return "structured output (guided decoding) is not supported with ddtree yet"
+    return None
+
+
+def _patch_input_processor_validate_params() -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+
+    @functools.wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        original(self, params, *args, **kwargs)
+        spec = self.speculative_config
+        if isinstance(params, SamplingParams) and getattr(spec, "ddtree", None) is not None:
+            reason = unsupported_request(params)
+            if reason is not None:  # a ValueError here is a 400 in the OpenAI server
+                raise ValueError(reason)
+
+    InputProcessor._validate_params = _validate_params
 
 
 def _ddtree_on(runner) -> bool:
