@@ -89,10 +89,12 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     started = time.time() - t0
     prompts = _prompts(kind, target)
     stop = [[], [], [202 if kind == "pair" else 7], [], [], [], [10], []]  # 202: newline
+    logprobs = 2 if spec is None else None  # no-spec: top-2 margins, to judge any divergence
     params = [
-        vllm.SamplingParams(temperature=0, max_tokens=m, stop_token_ids=s, detokenize=False)
+        vllm.SamplingParams(temperature=0, max_tokens=m, stop_token_ids=s, detokenize=False,
+                            logprobs=logprobs)
         for m, s in zip(MAX_TOKENS, stop, strict=True)
-    ]
+    ]  # fmt: skip
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     seconds = time.time() - t1
@@ -111,6 +113,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     result = {
         "case": name,
         "outputs": [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
+        "top2_margins": [_margins(o.outputs[0].logprobs) for o in outs] if spec is None else None,
         "sampled_lengths": [len(o.outputs[0].token_ids) for o in sampled],
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "v2_model_runner": config.use_v2_model_runner,
@@ -120,6 +123,17 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     }
     (out / f"{name}.json").write_text(json.dumps(result) + "\n")
     llm.llm_engine.engine_core.shutdown()
+
+
+def _margins(logprobs) -> list[float] | None:
+    """Per generated position: top-1 minus top-2 logprob (how close greedy was to a tie)."""
+    if not logprobs:
+        return None
+    out = []
+    for position in logprobs:
+        values = sorted((lp.logprob for lp in position.values()), reverse=True)
+        out.append(round(values[0] - values[1], 4) if len(values) > 1 else None)
+    return out
 
 
 def _divergence(a: list[int], b: list[int]) -> int | None:
@@ -175,6 +189,14 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
             row["requests_equal"] = sum(a == b for a, b in pairs)
             row["tokens"] = sum(len(a[0]) for a, _ in pairs)
             row["first_divergence"] = [_divergence(a[0], b[0]) for a, b in pairs]
+            margins = base.get("top2_margins") or [None] * len(pairs)
+            row["nospec_margin_at_divergence"] = [
+                None if d is None or m is None or d >= len(m) else m[d]
+                for d, m in zip(row["first_divergence"], margins, strict=True)
+            ]
+            row["nospec_min_margin"] = min(
+                (x for m in margins if m for x in m if x is not None), default=None
+            )
             row["cudagraph_mode"] = got["cudagraph_mode"]
             row["nospec_cudagraph_mode"] = base["cudagraph_mode"]
             row["v2_model_runner"] = got["v2_model_runner"]
