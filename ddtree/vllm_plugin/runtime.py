@@ -94,12 +94,16 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
     batch = runner.input_batch
     starts = runner.query_start_loc.cpu[: batch.num_reqs + 1].tolist()
     spec = scheduler_output.scheduled_spec_decode_tokens
+    # Each tree serves the one step after its proposal. When vLLM skips the drafter (the
+    # context would not fit it: GPUModelRunner._input_fits_in_drafter) it schedules zeros as
+    # drafts; a kept tree would then be walked against tokens the target never saw.
+    trees, STATE.trees = STATE.trees, {}
     for index, req_id in enumerate(batch.req_ids):
         num_drafts = len(spec.get(req_id, ()))
         if num_drafts == 0:
             continue
-        tree = STATE.trees.get(req_id)
-        if tree is None:  # placeholder drafts: a chain of nodes that can never match
+        tree = trees.get(req_id)
+        if tree is None:  # placeholder or zeroed drafts: a chain of nodes that never match
             tree = chain_tree(torch.full((1, num_drafts), -1, dtype=torch.long,
                                          device=runner.positions.device))  # fmt: skip
         tree = truncate(tree, num_drafts)
