@@ -1,4 +1,4 @@
-"""Greedy DDTree inside vLLM 0.26 on the GPU equals no-spec vLLM, token for token (issue 5).
+"""Greedy DDTree inside vLLM 0.26 on the GPU vs no-spec vLLM, token for token (issue 5).
 
 V1 model runner, FLASH_ATTN, CUDA graphs on (piecewise for DDTree; vLLM's default for
 no-spec), bfloat16. Cases: the bundled pair (held-out prompts) and a random Qwen3 target with a
@@ -23,9 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (1, 15, 64, 255)
-CASES = [f"pair_{m}" for m in ("nospec", *(f"ddtree_{b}" for b in BUDGETS))] + [
-    "random_nospec", "random_ddtree_15", "random_ddtree_64",
-]  # fmt: skip
+CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
+    "random_nospec", "random_dflash", "random_ddtree_15", "random_ddtree_64",
+]  # fmt: skip  # dflash: vLLM's own chain, the control for the numerics of a verify forward
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 
@@ -78,13 +78,20 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     kind, method = name.split("_", 1)
     target, drafter = _models(kind, out)
     spec = None
-    if method != "nospec":
+    extra = {}
+    if method == "dflash":  # under DDTree's engine settings: V1 runner, piecewise graphs
+        import os
+
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
+        extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    elif method != "nospec":
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": int(method[7:])}
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target), speculative_config=spec, dtype=dtype, max_model_len=1024,
         max_num_seqs=8, seed=0, kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.05,
-        skip_tokenizer_init=kind == "random", disable_log_stats=False,
+        skip_tokenizer_init=kind == "random", disable_log_stats=False, **extra,
     )  # fmt: skip
     started = time.time() - t0
     prompts = _prompts(kind, target)
@@ -98,12 +105,15 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     seconds = time.time() - t1
-    # Sampling (T=1, top-k, top-p) must run too; its tokens are not compared (random).
-    sampled = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=64, seed=1,
-                            detokenize=False),
-    )  # fmt: skip
+    # DDTree's sampling (T=1, top-k, top-p) must run too; its tokens are not compared. (The
+    # dflash control skips it: vLLM 0.26's rejection sampler fails on top-k + top-p on the CPU.)
+    sampled = []
+    if method.startswith("ddtree"):
+        sampled = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=64, seed=1,
+                                detokenize=False),
+        )  # fmt: skip
     config = llm.llm_engine.vllm_config
     metrics = {}
     for metric in llm.get_metrics():

@@ -127,3 +127,53 @@ def test_mismatched_drafter_is_refused_at_start(tmp_path, change, message):
             max_num_seqs=4,
             gpu_memory_utilization=0.2,
         )
+
+
+@pytest.mark.parametrize(
+    "env, overrides, message",
+    [
+        ("1", {}, "V1 model runner"),
+        (None, {"async_scheduling": True}, "async_scheduling"),
+        (None, {"cudagraph_mode": "FULL_AND_PIECEWISE"}, "cudagraph_mode"),
+    ],
+)
+def test_cuda_settings_refuse_conflicting_choices(monkeypatch, env, overrides, message):
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.patches import _configure_for_cuda
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    mode = overrides.get("cudagraph_mode")
+    args = SimpleNamespace(
+        async_scheduling=overrides.get("async_scheduling"),
+        enforce_eager=False,
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=None if mode is None else CUDAGraphMode[mode]
+        ),
+    )
+    with pytest.raises(ValueError, match=message):
+        _configure_for_cuda(args)
+
+
+def test_cuda_settings_defaults(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.patches import _configure_for_cuda
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    args = SimpleNamespace(async_scheduling=None, enforce_eager=False,
+                           compilation_config=SimpleNamespace(cudagraph_mode=None))  # fmt: skip
+    _configure_for_cuda(args)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert args.async_scheduling is False
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE

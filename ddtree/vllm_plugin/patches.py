@@ -265,8 +265,22 @@ def _patch_gpu_model_runner() -> None:
         _refuse_unsupported(metadata)
         return runtime.tree_sample(self, logits, spec_decode_metadata, metadata)
 
+    fits = runner_cls._input_fits_in_drafter
+
+    @functools.wraps(fits)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        # vLLM checks max_seq_len + num_spec_tokens + 1 (= B + 1) against max_model_len, but
+        # the DFlash drafter only queries D + 1 positions: with B > D it would stop drafting
+        # for the last B + 1 positions of every context for no reason.
+        if not _ddtree_on(self) or common_attn_metadata is None:
+            return fits(self, common_attn_metadata)
+        depth = self.drafter.draft_depth
+        limit = self.effective_drafter_max_model_len
+        return common_attn_metadata.max_seq_len + depth + 1 <= limit
+
     runner_cls._prepare_inputs = _prepare_inputs
     runner_cls._sample = _sample
+    runner_cls._input_fits_in_drafter = _input_fits_in_drafter
 
 
 def _refuse_unsupported(metadata) -> None:
