@@ -60,11 +60,23 @@ def tree_attention(
     Every query sees the first ``seq_len - q`` cached tokens; among the q new ones, query i
     sees j iff ``tree_mask[i, j]`` (bool ``[q, q]``). Returns ``[q, num_heads, head_size]``.
     """
-    num_queries, num_heads, _ = query.shape
     keys, values = read_paged_kv(kv_cache, block_table, seq_len)  # [L, kvh, hd]
-    context = seq_len - num_queries
+    return attend(query, keys, values, tree_mask, scale)
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``query [q, heads, hd]`` over ``keys/values [L, kv_heads, hd]`` whose last q rows are
+    the queries' own tokens: all earlier rows are seen, the last q as ``tree_mask [q, q]`` says."""
+    num_queries, num_heads, _ = query.shape
+    context = keys.shape[0] - num_queries
     seen = torch.ones(num_queries, context, dtype=torch.bool, device=query.device)
-    mask = torch.cat([seen, tree_mask.to(torch.bool)], 1)  # [q, L]
+    mask = torch.cat([seen, tree_mask.to(query.device, torch.bool)], 1)  # [q, L]
     out = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1).to(keys.dtype),  # [heads, q, hd]
         keys.transpose(0, 1),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.vllm_plugin.cpu_tree_attention import attend
+
 
 def read_paged_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
@@ -45,20 +47,8 @@ def tree_attention(
     Every query sees the first ``seq_len - q`` cached tokens; among the q new ones, query i
     sees j iff ``tree_mask[i, j]`` (bool ``[q, q]``). Returns ``[q, num_heads, head_size]``.
     """
-    num_queries, num_heads, _ = query.shape
     keys, values = read_paged_kv(kv_cache, block_table, seq_len)  # [L, kvh, hd]
-    context = seq_len - num_queries
-    seen = torch.ones(num_queries, context, dtype=torch.bool, device=query.device)
-    mask = torch.cat([seen, tree_mask.to(query.device, torch.bool)], 1)  # [q, L]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1).to(keys.dtype),  # [heads, q, hd]
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
-    )
-    return out.transpose(0, 1).to(query.dtype)
+    return attend(query, keys, values, tree_mask, scale)
 
 
 def compact_paged_kv(
