@@ -62,8 +62,8 @@ def train_loop(
     running, count = torch.zeros(()), 0  # summed on the device: no sync per step
     bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps, mininterval=5)
     for step in bar:
+        used = 0.0 if time_limit is None else (time.monotonic() - started) / time_limit
         for group in opt.param_groups:
-            used = 0.0 if time_limit is None else (time.monotonic() - started) / time_limit
             group["lr"] = lr_at(step, steps, lr, warmup, used)
         loss = loss_fn(step)
         opt.zero_grad(set_to_none=True)

@@ -54,13 +54,15 @@ def tree_attention(
     seq_len: int,
     tree_mask: torch.Tensor,
     scale: float,
+    read=read_paged_kv,
 ) -> torch.Tensor:
     """Attention of one request's ``query [q, num_heads, head_size]`` (its last q tokens).
 
     Every query sees the first ``seq_len - q`` cached tokens; among the q new ones, query i
     sees j iff ``tree_mask[i, j]`` (bool ``[q, q]``). Returns ``[q, num_heads, head_size]``.
+    ``read`` gets K/V out of the cache's layout (this module's: the CPU one).
     """
-    keys, values = read_paged_kv(kv_cache, block_table, seq_len)  # [L, kvh, hd]
+    keys, values = read(kv_cache, block_table, seq_len)  # [L, kvh, hd]
     return attend(query, keys, values, tree_mask, scale)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.vllm_plugin.cpu_tree_attention import attend
+from ddtree.vllm_plugin import cpu_tree_attention
 
 
 def read_paged_kv(
@@ -34,21 +34,11 @@ def read_paged_kv(
     return rows[..., : width // 2], rows[..., width // 2 :]
 
 
-def tree_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    tree_mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of one request's ``query [q, num_heads, head_size]`` (its last q tokens).
-
-    Every query sees the first ``seq_len - q`` cached tokens; among the q new ones, query i
-    sees j iff ``tree_mask[i, j]`` (bool ``[q, q]``). Returns ``[q, num_heads, head_size]``.
-    """
-    keys, values = read_paged_kv(kv_cache, block_table, seq_len)  # [L, kvh, hd]
-    return attend(query, keys, values, tree_mask, scale)
+def tree_attention(query, kv_cache, block_table, seq_len, tree_mask, scale) -> torch.Tensor:
+    """``cpu_tree_attention.tree_attention`` over this layout (same arguments and result)."""
+    return cpu_tree_attention.tree_attention(
+        query, kv_cache, block_table, seq_len, tree_mask, scale, read=read_paged_kv
+    )
 
 
 def compact_paged_kv(

@@ -33,9 +33,13 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        _patch_cpu_attention_forward()
+        from vllm.v1.attention.backends import cpu_attn
+
+        _patch_attention_forward(cpu_attn.CPUAttentionBackendImpl)
     elif current_platform.is_cuda():
-        _patch_flash_attention_forward()
+        from vllm.v1.attention.backends import flash_attn
+
+        _patch_attention_forward(flash_attn.FlashAttentionImpl)
     _APPLIED = True
 
 
@@ -294,15 +298,13 @@ def _refuse_unsupported(metadata) -> None:
         raise NotImplementedError("ddtree does not support bad_words yet")
 
 
-def _patch_cpu_attention_forward() -> None:
-    from vllm.v1.attention.backends import cpu_attn
-
-    impl_cls = cpu_attn.CPUAttentionBackendImpl
+def _patch_attention_forward(impl_cls) -> None:
+    """After the backend's own (causal) pass, redo the tree requests' rows with their masks."""
     forward = impl_cls.forward
 
     @functools.wraps(forward)
-    def cpu_attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                              *args, **kwargs):  # fmt: skip
+    def attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                          *args, **kwargs):  # fmt: skip
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
                       **kwargs)  # fmt: skip
         state = runtime.STATE
@@ -312,25 +314,4 @@ def _patch_cpu_attention_forward() -> None:
                 runtime.tree_attention_override(self, query, kv_cache, attn_metadata, output, group)
         return out
 
-    impl_cls.forward = cpu_attention_forward
-
-
-def _patch_flash_attention_forward() -> None:
-    from vllm.v1.attention.backends import flash_attn
-
-    impl_cls = flash_attn.FlashAttentionImpl
-    forward = impl_cls.forward
-
-    @functools.wraps(forward)
-    def flash_attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                                *args, **kwargs):  # fmt: skip
-        out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                      **kwargs)  # fmt: skip
-        state = runtime.STATE
-        if attn_metadata is not None and state.attention_active:
-            group = state.layer_groups.get(getattr(layer, "layer_name", None))
-            if group is not None:
-                runtime.tree_attention_override(self, query, kv_cache, attn_metadata, output, group)
-        return out
-
-    impl_cls.forward = flash_attention_forward
+    impl_cls.forward = attention_forward
