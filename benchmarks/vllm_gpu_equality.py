@@ -24,8 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (1, 15, 64, 255)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
-    "random_nospec", "random_dflash", "random_ddtree_15", "random_ddtree_64",
-]  # fmt: skip  # dflash: vLLM's own chain, the control for the numerics of a verify forward
+    "pair_ddtreesync_64", "random_nospec", "random_dflash", "random_ddtree_15",
+    "random_ddtree_64",
+]  # fmt: skip
+# dflash: vLLM's own chain under DDTree's engine settings, the control for the numerics of a
+# verify forward. ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around
+# DDTree's per-step code; the log lists every sync it made).
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 
@@ -86,7 +90,12 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
         extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     elif method != "nospec":
-        spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": int(method[7:])}
+        if method.startswith("ddtreesync_"):
+            import os
+
+            os.environ["DDTREE_SYNC_DEBUG"] = "warn"
+        budget = int(method.split("_")[-1])
+        spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target), speculative_config=spec, dtype=dtype, max_model_len=1024,
@@ -213,6 +222,8 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
             row["generate_s"] = got["generate_s"]
             row["nospec_generate_s"] = base["generate_s"]
             row["spec_metrics"] = got["spec_metrics"]
+        log = (out / f"{name}.log").read_text(errors="replace")
+        row["sync_warnings"] = log.count("called a synchronizing CUDA operation")
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "spec_metrics"}))
     summary = {"exit_codes": codes, "rows": rows}

@@ -1,4 +1,4 @@
-"""Command line: ``ddtree serve | generate | train | tau``."""
+"""Command line: ``ddtree serve | generate | train | tau | bench``."""
 
 from __future__ import annotations
 
@@ -260,12 +260,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-num-seqs", type=int, default=8)
 
+    from ddtree.bench import vllm as bench_vllm
+
+    bench = sub.add_parser(
+        "bench", help="vLLM engines: no-spec vs DFlash chain vs DDTree (tokens/s, tau)"
+    )
+    bench_vllm.add_arguments(bench)
+
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args, extra)
+    if args.command == "bench":
+        return bench_vllm.run(args, argv[1:])
     handlers = {"generate": _generate, "train": _train, "tau": _tau}
     return handlers[args.command](args)
 

@@ -7,7 +7,12 @@ pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
 
 import ddtree  # noqa: E402
-from ddtree.vllm_plugin.cpu_tree_attention import read_paged_kv, tree_attention  # noqa: E402
+from ddtree.vllm_plugin.cpu_tree_attention import (  # noqa: E402
+    copy_slots,
+    prefix_attention,
+    read_paged_kv,
+)
+from ddtree.vllm_plugin.tree_attention import merge, suffix_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD = 4, 2, 64
 
@@ -26,6 +31,18 @@ def _fill_cache(isa, block_size, seq_len, gen):
     return kv_cache, block_table, keys, values
 
 
+def tree_attention(query, kv_cache, table, seq_len, tree_mask, scale, keys, values):
+    """One request's tree attention the way the plugin computes it: the cached context part
+    (read back from the cache) merged with the dense part over its own new K/V."""
+    num_queries = query.shape[0]
+    context = seq_len - num_queries
+    out_p, lse_p = prefix_attention(query, kv_cache, table[None], [context], [num_queries], scale)
+    rows = torch.arange(num_queries)[None]
+    new_k, new_v = keys[context:seq_len], values[context:seq_len]
+    out_s, lse_s = suffix_attention(query, new_k, new_v, rows, tree_mask[None], scale)
+    return merge(out_p, lse_p, out_s, lse_s)
+
+
 @pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
 def test_read_paged_kv_round_trip(isa, block_size):
     gen = torch.Generator().manual_seed(0)
@@ -38,7 +55,7 @@ def test_read_paged_kv_round_trip(isa, block_size):
 def test_chain_mask_equals_vllm_causal_kernel(isa, block_size):
     gen = torch.Generator().manual_seed(1)
     seq_len, num_queries = 70, 17
-    kv_cache, table, _, _ = _fill_cache(isa, block_size, seq_len, gen)
+    kv_cache, table, keys, values = _fill_cache(isa, block_size, seq_len, gen)
     query = torch.randn(num_queries, HEADS, HEAD, generator=gen)
     scale = HEAD**-0.5
     qsl = torch.tensor([0, num_queries], dtype=torch.int32)
@@ -58,7 +75,7 @@ def test_chain_mask_equals_vllm_causal_kernel(isa, block_size):
         scheduler_metadata=meta, s_aux=None,
     )  # fmt: skip
     chain = torch.ones(num_queries, num_queries, dtype=torch.bool).tril()
-    got = tree_attention(query, kv_cache, table, seq_len, chain, scale)
+    got = tree_attention(query, kv_cache, table, seq_len, chain, scale, keys, values)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -68,7 +85,7 @@ def test_tree_mask_matches_dense_reference():
     num_queries, seq_len = 25, 60
     kv_cache, table, keys, values = _fill_cache("vec16", 16, seq_len, gen)
     query = torch.randn(num_queries, HEADS, HEAD, generator=gen)
-    got = tree_attention(query, kv_cache, table, seq_len, tree.mask[0], 0.125)
+    got = tree_attention(query, kv_cache, table, seq_len, tree.mask[0], 0.125, keys, values)
     # Dense reference: explicit softmax over allowed keys, each kv head shared by 2 heads.
     k = keys.repeat_interleave(HEADS // KV_HEADS, 1)
     v = values.repeat_interleave(HEADS // KV_HEADS, 1)
@@ -79,27 +96,62 @@ def test_tree_mask_matches_dense_reference():
     want = torch.einsum("hqk,khd->qhd", probs, v)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
-    # Rewrite node 3's K/V in the cache: exactly the rows that have node 3 as an ancestor (or
-    # are node 3) change.
-    slot_pos = seq_len - num_queries + 3
-    slot = table[slot_pos // 16].long() * 16 + slot_pos % 16
-    view = kv_cache.view(kv_cache.shape[0], KV_HEADS, 32, HEAD)
-    key_cache, value_cache = view.chunk(2, dim=2)
-    new_k, new_v = torch.randn(2, 1, KV_HEADS, HEAD, generator=gen)
-    ops.cpu_attn_reshape_and_cache(new_k, new_v, key_cache, value_cache, slot.view(1), "vec16")
-    again = tree_attention(query, kv_cache, table, seq_len, tree.mask[0], 0.125)
+    # Change node 3's K/V: exactly the rows that have node 3 as an ancestor (or are node 3)
+    # change.
+    keys[seq_len - num_queries + 3], values[seq_len - num_queries + 3] = torch.randn(
+        2, KV_HEADS, HEAD, generator=gen
+    )
+    again = tree_attention(query, kv_cache, table, seq_len, tree.mask[0], 0.125, keys, values)
     changed = (again - got).abs().amax((1, 2)) > 1e-6
     assert changed.tolist() == tree.mask[0, :, 3].tolist()
 
 
-@pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
-def test_compact_moves_the_accepted_path(isa, block_size):
-    from ddtree.vllm_plugin.cpu_tree_attention import compact_paged_kv
+def test_batched_requests_with_unscheduled_slots_equal_one_by_one():
+    """Two requests in one batch (Q = 7 slots, the second with 4 scheduled), mixed in a step
+    with other rows, give the same rows as each request alone."""
+    gen = torch.Generator().manual_seed(4)
+    trees = ddtree.build_tree(torch.randn(2, 3, 20, generator=gen), 6)
+    contexts, counts = [33, 21], [7, 4]
+    caches = [_fill_cache("vec16", 16, c + n, gen) for c, n in zip(contexts, counts, strict=True)]
+    # One shared cache: request 1's blocks after request 0's.
+    cache0, table0, k0, v0 = caches[0]
+    cache1, table1, k1, v1 = caches[1]
+    kv_cache = torch.cat([cache0, cache1])
+    tables = torch.nn.utils.rnn.pad_sequence([table0, table1 + cache0.shape[0]], batch_first=True)
+    queries = [torch.randn(n, HEADS, HEAD, generator=gen) for n in counts]
+    # The step: 2 unrelated rows, request 0's 7 rows, 1 unrelated row, request 1's 4 rows.
+    step_q = torch.cat([torch.randn(2, HEADS, HEAD), queries[0], torch.randn(1, HEADS, HEAD),
+                        queries[1]])  # fmt: skip
+    step_k = torch.cat([torch.randn(2, KV_HEADS, HEAD), k0[33:], torch.randn(1, KV_HEADS, HEAD),
+                        k1[21:]])  # fmt: skip
+    step_v = torch.cat([torch.randn(2, KV_HEADS, HEAD), v0[33:], torch.randn(1, KV_HEADS, HEAD),
+                        v1[21:]])  # fmt: skip
+    rows = torch.tensor([[2, 3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 10, 10, 10]])
+    scheduled = torch.arange(7) < torch.tensor(counts)[:, None]
+    flat_slots = scheduled.flatten().nonzero().squeeze(1)
+    flat_rows = rows.flatten()[flat_slots]
+    out_p, lse_p = prefix_attention(step_q[flat_rows], kv_cache, tables, contexts, counts, 0.125)
+    out_s, lse_s = suffix_attention(step_q, step_k, step_v, rows, trees.mask, 0.125)
+    got = merge(out_p, lse_p, out_s[flat_slots], lse_s[flat_slots])
+    for r in range(2):
+        n, c = counts[r], contexts[r]
+        cache, table, keys, values = caches[r]
+        want = tree_attention(queries[r], cache, table, c + n, trees.mask[r, :n, :n], 0.125,
+                              keys, values)  # fmt: skip
+        first = sum(counts[:r])
+        torch.testing.assert_close(got[first : first + n], want, atol=1e-5, rtol=1e-5)
 
+
+@pytest.mark.parametrize("isa, block_size", [("vec16", 16), ("vec", 32)])
+def test_copy_slots_moves_the_accepted_path(isa, block_size):
     gen = torch.Generator().manual_seed(3)
     kv_cache, table, keys, values = _fill_cache(isa, block_size, 90, gen)
     start, path = 40, torch.tensor([0, 2, 5, 9, 30, 49])
-    compact_paged_kv(kv_cache, table, start, path, isa)
+
+    def slot(pos):
+        return table[pos // block_size].long() * block_size + pos % block_size
+
+    copy_slots(kv_cache, slot(start + path), slot(start + torch.arange(6)), isa)
     got_k, got_v = read_paged_kv(kv_cache, table, 90)
     assert torch.equal(got_k[:start], keys[:start])  # the context is untouched
     assert torch.equal(got_k[start : start + 6], keys[start + path])

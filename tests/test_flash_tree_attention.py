@@ -1,4 +1,5 @@
-"""Tree attention and KV compaction over vLLM's FlashAttention cache layout (run on the CPU).
+"""The FlashAttention cache layout's reader and KV moves (run on the CPU), and the tree
+attention's parts over it (the context part with the reference reader).
 
 The cache is built the way vLLM 0.26's FLASH_ATTN backend allocates it: memory in NHD order
 ``[num_blocks, block_size, num_kv_heads, 2 * head_size]``, handed to the layer as the logical
@@ -8,7 +9,9 @@ view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
 import pytest
 import torch
 
-from ddtree.vllm_plugin.flash_tree_attention import compact_paged_kv, read_paged_kv, tree_attention
+from ddtree.vllm_plugin.cpu_tree_attention import prefix_attention
+from ddtree.vllm_plugin.flash_tree_attention import copy_slots, read_paged_kv
+from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 16, 16
 
@@ -50,8 +53,16 @@ def test_tree_mask_equals_dense_reference():
         while j >= 0:
             tree_mask[i, j] = True
             j = parents[j]
-    got = tree_attention(query, kv_cache, table, seq_len, tree_mask, HEAD**-0.5)
     context = seq_len - num_queries
+    scale = HEAD**-0.5
+    out_p, lse_p = prefix_attention(
+        query, kv_cache, table[None], [context], [num_queries], scale, read=read_paged_kv
+    )
+    rows = torch.arange(num_queries)[None]
+    out_s, lse_s = suffix_attention(
+        query, keys[context:], values[context:], rows, tree_mask[None], scale
+    )
+    got = merge(out_p, lse_p, out_s, lse_s)
     for i in range(num_queries):
         seen = list(range(context)) + [context + j for j in range(num_queries) if tree_mask[i, j]]
         for h in range(HEADS):
@@ -65,7 +76,11 @@ def test_compact_moves_the_path_and_keeps_the_rest():
     start, width = 37, 20
     kv_cache, table, keys, values = _cache(start + width, gen)
     path = torch.tensor([0, 2, 5, 6, 11, 19])
-    compact_paged_kv(kv_cache, table, start, path)
+
+    def slot(pos):
+        return table[pos // BLOCK].long() * BLOCK + pos % BLOCK
+
+    copy_slots(kv_cache, slot(start + path), slot(start + torch.arange(len(path))))
     got_k, got_v = read_paged_kv(kv_cache, table, start + width)
     want_k, want_v = keys.clone(), values.clone()
     want_k[start : start + len(path)] = keys[start + path]

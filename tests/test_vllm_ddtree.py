@@ -53,9 +53,13 @@ def no_spec():
         _close(llm)  # one engine at a time: each holds a share of the memory
 
 
-@pytest.mark.parametrize("budget", [1, 15, 64, 255])
-def test_greedy_ddtree_equals_no_spec(no_spec, budget):
-    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": budget}
+@pytest.mark.parametrize("budget, cap", [(1, None), (15, None), (64, None), (255, None),
+                                         (255, 100)])  # fmt: skip
+def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap):
+    """``cap``: ddtree_max_verify_tokens; with 100 the step budget follows the batch: 4
+    requests -> 24 nodes each, 2 -> 49, 1 -> 99 (trees of changing width between steps)."""
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": budget,
+            "ddtree_max_verify_tokens": cap}  # fmt: skip
     llm = _engine(spec)
     try:
         assert _greedy(llm) == no_spec
@@ -76,6 +80,8 @@ def test_greedy_ddtree_equals_no_spec(no_spec, budget):
         ({"ddtree_budget": "64"}, r"ddtree_budget must be an int"),
         ({"ddtree_budget": 64, "ddtree_chain_seed": "yes"}, "ddtree_chain_seed must be"),
         ({"ddtree_budget": 64, "model": None}, "must name the DFlash drafter"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_tokens": 0}, "ddtree_max_verify_tokens must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_tokens": 9.5}, "ddtree_max_verify_tokens must"),
     ],
 )
 def test_bad_config_is_refused(spec, message):
@@ -84,6 +90,16 @@ def test_bad_config_is_refused(spec, message):
     full = {"method": "ddtree", "model": str(MODELS / "drafter"), **spec}
     with pytest.raises(ValueError, match=message):
         parse_options(full)
+
+
+def test_step_budget_follows_the_batch_but_keeps_the_chain():
+    from ddtree.vllm_plugin.runtime import DDTreeOptions
+
+    fixed = DDTreeOptions(budget=255)
+    assert [fixed.step_budget(n, 15) for n in (1, 8, 64)] == [255, 255, 255]
+    capped = DDTreeOptions(budget=255, max_verify_tokens=512)
+    assert [capped.step_budget(n, 15) for n in (1, 2, 4, 16, 64)] == [255, 255, 127, 31, 15]
+    assert DDTreeOptions(budget=8, max_verify_tokens=16).step_budget(32, 15) == 8
 
 
 def test_budget_above_batched_tokens_is_refused():

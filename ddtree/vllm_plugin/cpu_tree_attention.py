@@ -1,9 +1,9 @@
 """Tree-masked attention over vLLM's paged CPU KV cache, and KV compaction of accepted paths.
 
 vLLM's CPU attention kernel (``CPU_ATTN``) knows causal and non-causal masks only. For a
-DDTree verify step a request's queries are ``[root, node 1..B]`` and node i may see the whole
-context plus its ancestors in the tree. This module reads the request's K/V back out of the
-paged cache and runs one SDPA with that mask.
+DDTree verify step (``tree_attention``) the part over the cached context is computed here:
+each request's K/V read back out of the paged cache, one SDPA per request (the CPU is the
+correctness host, not the fast one). ``copy_slots`` moves accepted K/V within the cache.
 
 Cache layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``) for the ``vec`` and
 ``vec16`` kernel variants: per (block, kv head), the first ``block_size * head_size`` values
@@ -14,6 +14,8 @@ hold K column-major (``[head_size, block_size]``), the rest V row-major
 from __future__ import annotations
 
 import torch
+
+from ddtree.vllm_plugin.tree_attention import attend_with_lse
 
 SUPPORTED_ISAS = ("vec", "vec16")
 
@@ -47,72 +49,43 @@ def read_paged_kv(
     return keys, values
 
 
-def tree_attention(
+def prefix_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    tree_mask: torch.Tensor,
+    block_tables: torch.Tensor,
+    context: list[int],
+    counts: list[int],
     scale: float,
-    read=read_paged_kv,
-) -> torch.Tensor:
-    """Attention of one request's ``query [q, num_heads, head_size]`` (its last q tokens).
-
-    Every query sees the first ``seq_len - q`` cached tokens; among the q new ones, query i
-    sees j iff ``tree_mask[i, j]`` (bool ``[q, q]``). Returns ``[q, num_heads, head_size]``.
-    ``read`` gets K/V out of the cache's layout (this module's: the CPU one).
-    """
-    keys, values = read(kv_cache, block_table, seq_len)  # [L, kvh, hd]
-    return attend(query, keys, values, tree_mask, scale)
-
-
-def attend(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    tree_mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``query [q, heads, hd]`` over ``keys/values [L, kv_heads, hd]`` whose last q rows are
-    the queries' own tokens: all earlier rows are seen, the last q as ``tree_mask [q, q]`` says."""
-    num_queries, num_heads, _ = query.shape
-    context = keys.shape[0] - num_queries
-    seen = torch.ones(num_queries, context, dtype=torch.bool, device=query.device)
-    mask = torch.cat([seen, tree_mask.to(query.device, torch.bool)], 1)  # [q, L]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1).to(keys.dtype),  # [heads, q, hd]
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
-    )
-    return out.transpose(0, 1).to(query.dtype)
+    read=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tree slot over its request's cached context: float32 ``out [N, H, hd]``, ``lse
+    [N, H]``. ``query [N, H, hd]`` holds ``counts[r]`` rows per request r (in order),
+    ``block_tables [R, max_blocks]``, ``context[r]`` cached tokens. One SDPA per request over
+    K/V read back from the cache with ``read`` (default: this module's layout)."""
+    read = read or read_paged_kv
+    outs, lses, first = [], [], 0
+    for r, (seq_len, count) in enumerate(zip(context, counts, strict=True)):
+        keys, values = read(kv_cache, block_tables[r], seq_len)
+        out, lse = attend_with_lse(query[first : first + count], keys, values, scale)
+        outs.append(out)
+        lses.append(lse)
+        first += count
+    return torch.cat(outs), torch.cat(lses)
 
 
-def compact_paged_kv(
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    start: int,
-    path: torch.Tensor,
-    isa: str,
-) -> None:
-    """Move the K/V of tree slots ``start + path[k]`` to ``start + k`` (k = 0..len(path)-1).
-
-    ``path`` (long ``[n]``, increasing, ``path[k] >= k``) is the accepted path from the root;
-    after this the accepted tokens sit where a chain would have put them. All rows are read
-    before any is written.
-    """
+def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, isa: str) -> None:
+    """K/V of cache slots ``src [M]`` to slots ``dst [M]`` (all read before any is written)."""
     from vllm import _custom_ops as ops
 
     check_isa(isa)
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-    keys, values = read_paged_kv(kv_cache, block_table, start + int(path[-1]) + 1)
-    src = start + path.long()
-    dst = start + torch.arange(path.numel(), device=path.device)
-    slots = block_table[dst // block_size].long() * block_size + dst % block_size
-    view = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, width // 2)
+    head_size = width // 2
+    raw = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)
+    keys = raw[:, :, 0].view(num_blocks, num_kv_heads, head_size, block_size)
+    values = raw[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size)
+    block, offset = src // block_size, src % block_size
+    src_keys = keys[block, :, :, offset]  # [M, kvh, hd] (a copy)
+    src_values = values[block, :, offset]  # [M, kvh, hd]
+    view = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, head_size)
     key_cache, value_cache = view.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(
-        keys[src].contiguous(), values[src].contiguous(), key_cache, value_cache, slots, isa
-    )
+    ops.cpu_attn_reshape_and_cache(src_keys, src_values, key_cache, value_cache, dst, isa)

@@ -1,27 +1,22 @@
-"""Tree-masked attention over vLLM's paged FlashAttention KV cache (GPU), and KV compaction.
+"""vLLM 0.26's FlashAttention KV cache (GPU): the context part of tree attention and KV moves.
 
-vLLM 0.26's ``FLASH_ATTN`` backend hands each layer its cache as the logical view
+The ``FLASH_ATTN`` backend hands each layer its cache as the logical view
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in the first ``head_size``
-channels, V in the rest; the memory order underneath is the backend's business, indexing the
-view is layout-agnostic). FlashAttention knows causal masks only, so for a DDTree verify step
-each tree request's attention is redone here: its K/V read back from the cache, one SDPA with
-the mask "the whole context + the node's ancestors".
-
-This is the correctness path (per-request, eager, outside CUDA graphs; vLLM's piecewise graphs
-keep attention eager). The fused, graph-captured kernel is issue 6's work.
+channels, V in the rest; indexing the view is independent of the memory order underneath).
+FlashAttention knows causal masks only, so the tree's context part is one non-causal
+FlashAttention call for all tree requests with ``seqused_k`` = each request's cached length;
+the part over the tree's own slots is dense (``tree_attention.suffix_attention``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ddtree.vllm_plugin import cpu_tree_attention
-
 
 def read_paged_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[seq_len, num_kv_heads, head_size]`` of one request.
+    """K and V ``[seq_len, num_kv_heads, head_size]`` of one request (the reference reader).
 
     ``kv_cache [num_blocks, num_kv_heads, block_size, 2 * head_size]`` (logical view);
     ``block_table [max_blocks]`` lists the request's blocks in order.
@@ -34,24 +29,46 @@ def read_paged_kv(
     return rows[..., : width // 2], rows[..., width // 2 :]
 
 
-def tree_attention(query, kv_cache, block_table, seq_len, tree_mask, scale) -> torch.Tensor:
-    """``cpu_tree_attention.tree_attention`` over this layout (same arguments and result)."""
-    return cpu_tree_attention.tree_attention(
-        query, kv_cache, block_table, seq_len, tree_mask, scale, read=read_paged_kv
-    )
+def prefix_attention(
+    impl,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_queries: torch.Tensor,
+    context: torch.Tensor,
+    max_queries: int,
+    max_context: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tree slot over its request's cached context, one FlashAttention call.
 
-
-def compact_paged_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, path: torch.Tensor
-) -> None:
-    """Move the K/V of tree slots ``start + path[k]`` to ``start + k`` (k = 0..len(path)-1).
-
-    ``path`` (long ``[n]``, increasing, ``path[k] >= k``) is the accepted path from the root.
-    The source rows are gathered (a copy) before any row is written.
+    ``query [N, H, hd]`` (``cu_queries`` int32 ``[R + 1]`` offsets per request),
+    ``block_tables`` int32 ``[R, max_blocks]``, ``context`` int32 ``[R]`` cached tokens.
+    Returns ``out [N, H, hd]`` and ``lse [N, H]`` (float32).
     """
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    out, lse = flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        cu_seqlens_q=cu_queries,
+        max_seqlen_q=max_queries,
+        seqused_k=context,
+        max_seqlen_k=max_context,
+        softmax_scale=impl.scale,
+        causal=False,
+        block_table=block_tables,
+        return_softmax_lse=True,
+        fa_version=impl.vllm_flash_attn_version,
+    )
+    if lse.shape[0] != query.shape[0]:  # FlashAttention's varlen lse is [H, N]
+        lse = lse.transpose(0, 1)
+    return out.float(), lse.float()
+
+
+def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """K/V of cache slots ``src [M]`` to slots ``dst [M]`` (gathered, a copy, before writing)."""
     block_size = kv_cache.shape[2]
-    table = block_table.to(kv_cache.device, torch.long)
-    src = start + path.to(kv_cache.device, torch.long)
-    dst = start + torch.arange(path.numel(), device=kv_cache.device)
-    rows = kv_cache[table[src // block_size], :, src % block_size]  # [n, kvh, 2*hd], a copy
-    kv_cache[table[dst // block_size], :, dst % block_size] = rows
+    rows = kv_cache[src // block_size, :, src % block_size]  # [M, kvh, 2*hd]
+    kv_cache[dst // block_size, :, dst % block_size] = rows

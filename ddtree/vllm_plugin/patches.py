@@ -48,6 +48,7 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
     spec = dict(spec)
     budget = spec.pop("ddtree_budget", None)
     chain_seed = spec.pop("ddtree_chain_seed", True)
+    max_verify_tokens = spec.pop("ddtree_max_verify_tokens", None)
     if budget is None:
         budget = spec.get("num_speculative_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
@@ -57,11 +58,21 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
         )
     if not isinstance(chain_seed, bool):
         raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
+    if max_verify_tokens is not None and (
+        isinstance(max_verify_tokens, bool)
+        or not isinstance(max_verify_tokens, int)
+        or max_verify_tokens < 1
+    ):
+        raise ValueError(
+            "ddtree_max_verify_tokens must be a positive int (tree tokens per step, all "
+            f"requests together) or null, got {max_verify_tokens!r}"
+        )
     if spec.get("model") is None:
         raise ValueError("speculative_config.model must name the DFlash drafter for ddtree")
     spec["method"] = "dflash"
     spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
-    return spec, runtime.DDTreeOptions(budget=budget, chain_seed=chain_seed)
+    options = runtime.DDTreeOptions(budget, chain_seed, max_verify_tokens)
+    return spec, options
 
 
 def _patch_engine_args_create_speculative_config() -> None:
@@ -299,19 +310,24 @@ def _refuse_unsupported(metadata) -> None:
 
 
 def _patch_attention_forward(impl_cls) -> None:
-    """After the backend's own (causal) pass, redo the tree requests' rows with their masks."""
+    """Tree requests' rows get the tree-masked attention (``runtime.tree_attention``); the
+    backend's own causal pass runs only when other requests share the step."""
     forward = impl_cls.forward
 
     @functools.wraps(forward)
     def attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                           *args, **kwargs):  # fmt: skip
-        out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                      **kwargs)  # fmt: skip
         state = runtime.STATE
+        group = None
         if attn_metadata is not None and state.attention_active:
             group = state.layer_groups.get(getattr(layer, "layer_name", None))
-            if group is not None:
-                runtime.tree_attention_override(self, query, kv_cache, attn_metadata, output, group)
-        return out
+        if group is None:
+            return forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                           *args, **kwargs)  # fmt: skip
+        if not state.batch.covers_step:
+            forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                    **kwargs)  # fmt: skip
+        runtime.tree_attention(self, query, key, value, kv_cache, output, group)
+        return output
 
     impl_cls.forward = attention_forward

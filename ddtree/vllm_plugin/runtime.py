@@ -17,70 +17,149 @@ Per step and request (docs/integration.md has the map):
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.generate import Sampling
-from ddtree.tree import DraftTree, build_tree, chain_tree
+from ddtree.tree import DraftTree, build_tree
 from ddtree.verify import walk
 from ddtree.vllm_plugin import cpu_tree_attention, flash_tree_attention
+from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
 
 
 @dataclass
 class DDTreeOptions:
-    budget: int
+    budget: int  # B: tree nodes per request and step (at most)
     chain_seed: bool = True
+    max_verify_tokens: int | None = None  # cap on the step's tree tokens, all requests together
+
+    def step_budget(self, num_reqs: int, depth: int) -> int:
+        """This step's B: the budget, shrunk so that ``num_reqs * (1 + B)`` stays within
+        ``max_verify_tokens``, but never below the chain (``min(budget, D)`` nodes)."""
+        if self.max_verify_tokens is None:
+            return self.budget
+        fit = self.max_verify_tokens // max(num_reqs, 1) - 1
+        return max(min(self.budget, depth), min(self.budget, fit))
+
+
+def sync_checked(fn):
+    """With ``DDTREE_SYNC_DEBUG=warn|error`` in the environment, torch's CUDA sync debug mode
+    is on while ``fn`` runs: any host-device sync in DDTree's per-step code warns or raises."""
+    mode = os.environ.get("DDTREE_SYNC_DEBUG")
+    if not mode:
+        return fn
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        if not torch.cuda.is_available():
+            return fn(*args, **kwargs)
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    return checked
+
+
+def _to_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host index tensors to the device in one copy (pinned, asynchronous on CUDA)."""
+    packed = torch.cat([h.long().flatten() for h in host])
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    return list(packed.to(device, non_blocking=True).split([h.numel() for h in host]))
 
 
 @dataclass
-class TreeRequest:
-    """One request of the current verify step."""
+class TreeBatch:
+    """This step's tree requests as fixed-shape tensors: R requests of ``Q = 1 + B`` slots.
 
-    index: int  # row in the input batch
-    start: int  # first token row in the step's flattened tokens
-    context: int  # tokens already in the KV cache (position of the root)
-    tree: DraftTree  # truncated to the scheduled nodes, batch of 1
-    block_tables: list[torch.Tensor]  # per KV-cache group: this request's block ids
+    A request may have fewer than B drafts scheduled (vLLM trims them near the end of the
+    context); its unscheduled slots carry token -1 (never accepted) and the root's token row.
+    """
+
+    batch_index: torch.Tensor  # long [R]: row of each request in the input batch
+    tree: DraftTree  # [R, Q] trees, unscheduled slots' tokens set to -1
+    rows: torch.Tensor  # long [R, Q]: token row of each slot in the step (root's row if unused)
+    flat_slots: torch.Tensor  # long [N]: r * Q + j of every scheduled slot, N = tree tokens
+    flat_rows: torch.Tensor  # long [N]: their token rows (rows.flatten()[flat_slots])
+    context: torch.Tensor  # long [R]: tokens already in the KV cache (the root's position)
+    context_i32: torch.Tensor  # int32 [R]: the same (FlashAttention's seqused_k)
+    cu_queries: torch.Tensor  # int32 [R + 1]: offsets of each request's slots in flat_rows
+    block_tables: list[torch.Tensor]  # per KV group: int32 [R, max_blocks]
+    context_cpu: list[int]
+    max_context: int
+    counts_cpu: list[int]  # scheduled slots per request (1 + drafts)
+    covers_step: bool  # every token row of the step is a tree slot
 
 
 @dataclass
 class StepState:
     """What the step's stages hand each other (one engine core, one step at a time)."""
 
-    trees: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> next step's tree
-    verifying: dict[str, TreeRequest] = field(default_factory=dict)  # this step's tree requests
+    proposal: DraftTree | None = None  # last proposal's trees, one row per request + padding
+    proposed: dict[str, int] = field(default_factory=dict)  # req_id -> row of proposal
+    batch: TreeBatch | None = None  # this step's tree requests
+    path: torch.Tensor | None = None  # long [R, D+1]: this step's accepted slots, -1 pad
     attention_active: bool = False  # True only during the target forward
-    paths: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> accepted slots
-    accepted_per_depth: list[int] = field(default_factory=list)
     layer_groups: dict[str, int] = field(default_factory=dict)  # target layer -> KV group
+    depth: int = 0  # D: the drafter's positions per proposal
 
 
 STATE = StepState()
 SUPPORTED_ATTENTION_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")
 
 
-def truncate(tree: DraftTree, num_nodes: int) -> DraftTree:
-    """The first ``1 + num_nodes`` slots: still a tree (slots are depth-ordered)."""
-    n = 1 + num_nodes
+def padding_tree(batch: int, num_slots: int, depth: int, device) -> DraftTree:
+    """Trees whose non-root slots are all padding (token -1: nothing is ever accepted)."""
+    slot = torch.arange(num_slots, device=device).expand(batch, num_slots)
+    minus = torch.full((batch, num_slots), -1, dtype=torch.long, device=device)
     return DraftTree(
-        tokens=tree.tokens[:, :n],
-        parents=tree.parents[:, :n],
-        depths=tree.depths[:, :n],
-        mask=tree.mask[:, :n, :n],
-        scores=tree.scores[:, :n],
-        ancestors=tree.ancestors[:, :n],
-        num_nodes=(tree.tokens[:, 1:n] >= 0).sum(1),
+        tokens=minus,
+        parents=minus.clone(),
+        depths=torch.zeros_like(minus),
+        mask=torch.eye(num_slots, dtype=torch.bool, device=device).expand(batch, -1, -1),
+        scores=torch.zeros(batch, num_slots, device=device),
+        ancestors=slot.unsqueeze(2).expand(batch, num_slots, depth + 1),
+        num_nodes=torch.zeros(batch, dtype=torch.long, device=device),
     )
+
+
+def pad_tree(tree: DraftTree, num_slots: int) -> DraftTree:
+    """``tree`` with padding slots appended up to ``num_slots``."""
+    batch, old = tree.tokens.shape
+    pad = padding_tree(batch, num_slots, tree.max_depth, tree.tokens.device)
+    mask = pad.mask.clone()
+    mask[:, :old, :old] = tree.mask
+    ancestors = pad.ancestors.clone()
+    ancestors[:, :old] = tree.ancestors
+    scores = torch.full((batch, num_slots), float("-inf"), device=tree.tokens.device)
+    scores[:, :old] = tree.scores
+    return DraftTree(
+        tokens=torch.cat([tree.tokens, pad.tokens[:, old:]], 1),
+        parents=torch.cat([tree.parents, pad.parents[:, old:]], 1),
+        depths=torch.cat([tree.depths, pad.depths[:, old:]], 1),
+        mask=mask,
+        scores=scores,
+        ancestors=ancestors,
+        num_nodes=tree.num_nodes,
+    )
+
+
+def _gather_tree(tree: DraftTree, index: torch.Tensor) -> DraftTree:
+    fields = tree.__dataclass_fields__
+    return DraftTree(**{k: getattr(tree, k).index_select(0, index) for k in fields})
 
 
 # --- 2. positions (after GPUModelRunner._prepare_inputs) -------------------------------------
 
 
+@sync_checked
 def after_prepare_inputs(runner, scheduler_output) -> None:
-    """Record this step's tree requests and write their depth positions in place."""
-    STATE.verifying.clear()
-    STATE.paths.clear()
+    """Collect this step's tree requests into a TreeBatch; write their depth positions."""
+    STATE.batch, STATE.path = None, None
     if not STATE.layer_groups:
         layers = list(target_attention_layers(runner))
         for _, name, layer in layers:
@@ -91,104 +170,185 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
                     f"{SUPPORTED_ATTENTION_IMPLS} only (on the GPU: attention_backend=FLASH_ATTN)"
                 )
         STATE.layer_groups = {name: g for g, name, _ in layers}
+    # Each proposal serves the one step after it. When vLLM skips the drafter (the context
+    # would not fit it: GPUModelRunner._input_fits_in_drafter) it schedules zeros as drafts;
+    # a kept tree would then be walked against tokens the target never saw.
+    proposal, proposed = STATE.proposal, STATE.proposed
+    STATE.proposal, STATE.proposed = None, {}
     batch = runner.input_batch
-    starts = runner.query_start_loc.cpu[: batch.num_reqs + 1].tolist()
+    num_reqs = batch.num_reqs
     spec = scheduler_output.scheduled_spec_decode_tokens
-    # Each tree serves the one step after its proposal. When vLLM skips the drafter (the
-    # context would not fit it: GPUModelRunner._input_fits_in_drafter) it schedules zeros as
-    # drafts; a kept tree would then be walked against tokens the target never saw.
-    trees, STATE.trees = STATE.trees, {}
-    for index, req_id in enumerate(batch.req_ids):
-        num_drafts = len(spec.get(req_id, ()))
-        if num_drafts == 0:
-            continue
-        tree = trees.get(req_id)
-        if tree is None:  # placeholder or zeroed drafts: a chain of nodes that never match
-            tree = chain_tree(torch.full((1, num_drafts), -1, dtype=torch.long,
-                                         device=runner.positions.device))  # fmt: skip
-        tree = truncate(tree, num_drafts)
-        context = int(batch.num_computed_tokens_cpu[index])
-        start = starts[index]
-        runner.positions[start : start + 1 + num_drafts] = context + tree.depths[0]
-        tables = [bt.get_cpu_tensor()[index] for bt in batch.block_table.block_tables]
-        STATE.verifying[req_id] = TreeRequest(index, start, context, tree, tables)
-    STATE.attention_active = bool(STATE.verifying)
+    members = [(i, req_id, len(spec[req_id])) for i, req_id in enumerate(batch.req_ids[:num_reqs])
+               if spec.get(req_id)]  # fmt: skip
+    STATE.attention_active = bool(members)
+    if not members:
+        return
+    device = runner.positions.device
+    widest = 1 + max(n for _, _, n in members)
+    if proposal is None:
+        proposal = padding_tree(1, widest, STATE.depth, device)
+    if widest > proposal.tokens.shape[1]:
+        # Wider than the proposal: a request vLLM scheduled with B placeholder drafts (a new
+        # 1-token request padded to the uniform decode width) while the step budget was lower.
+        proposal = pad_tree(proposal, widest)
+    num_slots = proposal.tokens.shape[1]
+    padding_row = proposal.tokens.shape[0] - 1
+
+    # Host-side index arithmetic, then one copy to the device.
+    starts_all = runner.query_start_loc.cpu[: num_reqs + 1]
+    index = torch.tensor([i for i, _, _ in members])
+    counts = torch.tensor([1 + n for _, _, n in members])
+    context = batch.num_computed_tokens_cpu_tensor[index].long()  # host
+    source = torch.tensor([proposed.get(req_id, padding_row) for _, req_id, _ in members])
+    slot = torch.arange(num_slots)
+    scheduled = slot < counts[:, None]  # [R, Q]
+    rows = starts_all[index].long()[:, None] + torch.where(scheduled, slot, 0)
+    flat_slots = scheduled.flatten().nonzero().squeeze(1)
+    cu_queries = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+    parts = [index, rows, flat_slots, context, cu_queries, source, scheduled]
+    index_d, rows_d, flat_d, context_d, cu_d, source_d, scheduled_d = _to_device(parts, device)
+    rows_d = rows_d.view(rows.shape)
+    tree = _gather_tree(proposal, source_d)
+    tree.tokens = torch.where(scheduled_d.view(rows.shape).bool(), tree.tokens, -1)
+    flat_rows = rows_d.flatten().index_select(0, flat_d)
+    depth_positions = (context_d[:, None] + tree.depths).flatten().index_select(0, flat_d)
+    runner.positions.index_copy_(0, flat_rows, depth_positions.to(runner.positions.dtype))
+    tables = [bt.get_device_tensor(num_reqs).index_select(0, index_d)
+              for bt in batch.block_table.block_tables]  # fmt: skip
+    STATE.batch = TreeBatch(
+        batch_index=index_d,
+        tree=tree,
+        rows=rows_d,
+        flat_slots=flat_d,
+        flat_rows=flat_rows,
+        context=context_d,
+        context_i32=context_d.int(),
+        cu_queries=cu_d.int(),
+        block_tables=tables,
+        context_cpu=context.tolist(),
+        max_context=int(context.max()),
+        counts_cpu=counts.tolist(),
+        covers_step=int(counts.sum()) == int(starts_all[num_reqs]),
+    )
 
 
-# --- 3. attention (inside the CPU attention impl's forward) -----------------------------------
+# --- 3. attention (inside the attention impl's forward) ---------------------------------------
 
 
-def tree_attention_override(impl, query, kv_cache, attn_metadata, output, group: int) -> None:
-    """Redo the attention of the tree requests of this step with their ancestor masks."""
-    backend = cpu_tree_attention if hasattr(impl, "isa") else flash_tree_attention
-    for req in STATE.verifying.values():
-        q = req.tree.tokens.shape[1]
-        rows = slice(req.start, req.start + q)
-        out = backend.tree_attention(
-            query[rows], kv_cache, req.block_tables[group], req.context + q, req.tree.mask[0],
+@sync_checked
+def tree_attention(impl, query, key, value, kv_cache, output, group: int) -> None:
+    """The tree requests' rows of ``output``: context part + tree part, merged."""
+    tb = STATE.batch
+    query_flat = query.index_select(0, tb.flat_rows)  # [N, H, hd]
+    if hasattr(impl, "isa"):  # vLLM's CPU attention
+        out_p, lse_p = cpu_tree_attention.prefix_attention(
+            query_flat, kv_cache, tb.block_tables[group], tb.context_cpu, tb.counts_cpu,
             impl.scale,
         )  # fmt: skip
-        output[rows] = out.reshape(output[rows].shape)
+    else:
+        out_p, lse_p = flash_tree_attention.prefix_attention(
+            impl, query_flat, kv_cache, tb.block_tables[group], tb.cu_queries,
+            tb.context_i32, tb.rows.shape[1], tb.max_context,
+        )  # fmt: skip
+    out_s, lse_s = suffix_attention(query, key, value, tb.rows, tb.tree.mask, impl.scale)
+    out_s, lse_s = out_s.index_select(0, tb.flat_slots), lse_s.index_select(0, tb.flat_slots)
+    merged = merge(out_p, lse_p, out_s, lse_s)
+    output.index_copy_(0, tb.flat_rows, merged.view((-1,) + output.shape[1:]).to(output.dtype))
 
 
 # --- 4. verification (replaces the rejection sampler for DDTree) ------------------------------
 
 
-def _request_sampling(sampling_metadata, index: int) -> tuple[Sampling, torch.Generator | None]:
+def target_tokens(
+    logits: torch.Tensor, sampling_metadata, request_of_row: torch.Tensor, first_row: list[int]
+) -> torch.Tensor:
+    """The target's token at every logits row ``[n]``: argmax for greedy requests, else a
+    sample of the temperature / top-k / top-p processed distribution (per request).
+    ``request_of_row [n]`` (device) and ``first_row`` (host, one per request + the end)."""
+    greedy = logits.argmax(-1)
     if sampling_metadata.all_greedy:
-        return Sampling(), None
-    temperature = float(sampling_metadata.temperature[index])
-    top_k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[index])
-    top_p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[index])
-    if top_k is not None and top_k <= 0:
-        top_k = None
-    sampling = Sampling(max(temperature, 0.0), top_k, top_p)
-    return sampling, sampling_metadata.generators.get(index)
+        return greedy
+    temperature = sampling_metadata.temperature.index_select(0, request_of_row)  # [n]
+    is_greedy = temperature < 1e-5
+    scaled = logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None]
+    vocab = logits.shape[-1]
+    top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+    if top_k is not None or top_p is not None:
+        ordered, order = scaled.sort(-1, descending=True)
+        if top_k is not None:
+            k = top_k.index_select(0, request_of_row).long()
+            k = torch.where((k <= 0) | (k > vocab), vocab, k)
+            kth = ordered.gather(1, (k - 1)[:, None])
+            ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        if top_p is not None:
+            p = top_p.index_select(0, request_of_row).float()[:, None]
+            probs = ordered.softmax(-1)
+            drop = (probs.cumsum(-1) - probs >= p) & (p < 1)  # keeps the token crossing p
+            ordered = ordered.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
+    probs = scaled.softmax(-1)
+    sampled = probs.div(torch.empty_like(probs).exponential_()).argmax(-1)
+    for req, generator in sampling_metadata.generators.items():  # seeded requests only
+        rows = slice(first_row[req], first_row[req + 1])
+        sampled[rows] = torch.multinomial(probs[rows], 1, generator=generator).squeeze(1)
+    return torch.where(is_greedy, greedy, sampled)
 
 
+@sync_checked
 def tree_sample(runner, logits: torch.Tensor, metadata, sampling_metadata):
     """Sampler output ``[R, max_spec_len + 1]``: each request's accepted tokens then its bonus."""
     from vllm.v1.outputs import SamplerOutput
 
     STATE.attention_active = False
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
+    tb = STATE.batch
+    num_reqs = runner.input_batch.num_reqs
+    device = logits.device
+    counts = torch.tensor(metadata.num_draft_tokens[:num_reqs]) + 1  # logits rows per request
+    first_row = torch.nn.functional.pad(counts.cumsum(0), (1, 0))  # [num_reqs + 1]
+    request_of_row = torch.repeat_interleave(torch.arange(num_reqs), counts)
+    num_slots = tb.rows.shape[1]
+    host = [request_of_row, first_row[:num_reqs]]
+    request_of_row_d, first_row_d = (
+        torch.cat(host).to(device, non_blocking=True).split([h.numel() for h in host])
+    )
+    tokens = target_tokens(logits, sampling_metadata, request_of_row_d, first_row.tolist())
+
     width = metadata.max_spec_len + 1
-    out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
-    row = 0
-    for index, req_id in enumerate(batch.req_ids[:num_reqs]):
-        num_drafts = metadata.num_draft_tokens[index]
-        rows = logits[row : row + 1 + num_drafts]
-        row += 1 + num_drafts
-        sampling, generator = _request_sampling(sampling_metadata, index)
-        target_tokens = sampling.pick(rows, generator).long().unsqueeze(0)  # [1, 1+n]
-        req = STATE.verifying.get(req_id)
-        if req is None:  # no drafts this step: the bonus only
-            out[index, 0] = target_tokens[0, 0]
-            continue
-        acc = walk(req.tree, target_tokens)
-        accepted = int(acc.num_accepted[0])
-        out[index, : accepted + 1] = acc.emitted[0, : accepted + 1].to(torch.int32)
-        path = acc.path[0, : accepted + 1]
-        STATE.paths[req_id] = path
-        while len(STATE.accepted_per_depth) < req.tree.max_depth:
-            STATE.accepted_per_depth.append(0)
-        for d in range(accepted):
-            STATE.accepted_per_depth[d] += 1
-        if accepted:
-            _commit_kv(runner, req, path)
+    out = tokens.index_select(0, first_row_d).to(torch.int32)[:, None]  # bonus-only default
+    out = torch.nn.functional.pad(out, (0, width - 1), value=-1)  # [num_reqs, width]
+    slot = torch.arange(num_slots, device=device)
+    slot_rows = first_row_d.index_select(0, tb.batch_index)[:, None] + slot  # [R, Q]
+    scheduled = tb.tree.tokens >= 0
+    scheduled[:, 0] = True
+    slot_rows = torch.where(scheduled, slot_rows, slot_rows[:, :1])
+    acceptance = walk(tb.tree, tokens[slot_rows])
+    cols = min(width, acceptance.emitted.shape[1])
+    out[tb.batch_index, :cols] = acceptance.emitted[:, :cols].to(torch.int32)
+    STATE.path = acceptance.path
+    _commit_kv(runner, tb, acceptance.path)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
 
-def _commit_kv(runner, req: TreeRequest, path: torch.Tensor) -> None:
-    """Move the accepted path's K/V to the slots right after the context, in every target layer."""
+def _commit_kv(runner, tb: TreeBatch, path: torch.Tensor) -> None:
+    """Move the accepted path's K/V to the slots right after the context, in every target
+    layer: slot ``context + path[k]`` -> ``context + k`` (k >= 1; the others copy onto
+    themselves), all requests in one gather + scatter per layer."""
+    width = min(path.shape[1], tb.rows.shape[1])
+    path = path[:, 1:width]  # [R, P]
+    dst_rows = tb.rows[:, 1:width]
+    src_rows = torch.where(path >= 0, tb.rows.gather(1, path.clamp(min=0)), dst_rows)
+    tables = runner.input_batch.block_table.block_tables
+    moves = {}
     for group, _, layer in target_attention_layers(runner):
+        if group not in moves:
+            slots = tables[group].slot_mapping.gpu
+            moves[group] = (slots[src_rows.flatten()], slots[dst_rows.flatten()])
+        src, dst = moves[group]
         kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-        table = req.block_tables[group]
         if hasattr(layer.impl, "isa"):  # vLLM's CPU attention
-            cpu_tree_attention.compact_paged_kv(kv_cache, table, req.context, path, layer.impl.isa)
+            cpu_tree_attention.copy_slots(kv_cache, src, dst, layer.impl.isa)
         else:
-            flash_tree_attention.compact_paged_kv(kv_cache, table, req.context, path)
+            flash_tree_attention.copy_slots(kv_cache, src, dst)
 
 
 def target_attention_layers(runner):
@@ -222,6 +382,7 @@ def make_proposer_class(base):
                 spec.num_speculative_tokens = options.budget
             self.ddtree = options
             self.draft_depth = block - 1
+            STATE.depth = self.draft_depth
             self._draft_logits = None
 
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
@@ -232,40 +393,51 @@ def make_proposer_class(base):
         def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                     target_hidden_states, next_token_ids, token_indices_to_sample,
                     common_attn_metadata, sampling_metadata, *args, **kwargs):  # fmt: skip
-            _reorder_context(self.runner, target_token_ids, target_positions, target_hidden_states)
+            _reorder_context(target_token_ids, target_positions, target_hidden_states)
             super().propose(
                 self.draft_depth, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata,
                 sampling_metadata, *args, **kwargs,
             )  # fmt: skip
-            num_reqs = next_token_ids.shape[0]
+            return self._propose_trees(next_token_ids.shape[0])
+
+        @sync_checked
+        def _propose_trees(self, num_reqs: int) -> torch.Tensor:
+            """Trees from the kept draft logits; their node tokens ``[R, B_step]`` for vLLM."""
+            budget = self.ddtree.step_budget(num_reqs, self.draft_depth)
             logits = self._draft_logits.view(num_reqs, self.draft_depth, -1)
             trees = build_tree(
-                logits.float(), self.ddtree.budget, chain_seed=self.ddtree.chain_seed,
-                check_values=False,
-            )  # fmt: skip
+                logits.float(), budget, chain_seed=self.ddtree.chain_seed, check_values=False
+            )
+            padding = padding_tree(1, 1 + budget, self.draft_depth, logits.device)
+            STATE.proposal = DraftTree(**{
+                k: torch.cat([getattr(trees, k), getattr(padding, k)])
+                for k in trees.__dataclass_fields__
+            })  # fmt: skip
             req_ids = self.runner.input_batch.req_ids[:num_reqs]
-            STATE.trees = {req_id: _row(trees, i) for i, req_id in enumerate(req_ids)}
+            STATE.proposed = {req_id: i for i, req_id in enumerate(req_ids)}
             return torch.where(trees.tokens[:, 1:] >= 0, trees.tokens[:, 1:], 0)
 
     return DDTreeProposer
 
 
-def _row(tree: DraftTree, i: int) -> DraftTree:
-    return DraftTree(**{k: getattr(tree, k)[i : i + 1] for k in tree.__dataclass_fields__})
-
-
-def _reorder_context(runner, token_ids, positions, hidden_states) -> None:
+@sync_checked
+def _reorder_context(token_ids, positions, hidden_states) -> None:
     """Put each verified request's accepted path first, at sequential positions, in place."""
-    for req_id, path in STATE.paths.items():
-        req = STATE.verifying[req_id]
-        q = req.tree.tokens.shape[1]
-        device = token_ids.device
-        path = path.to(device)
-        rows = torch.arange(req.start, req.start + q, device=device)
-        rest = torch.ones(q, dtype=torch.bool, device=device)
-        rest[path] = False
-        order = req.start + torch.cat([path, torch.arange(q, device=device)[rest]])
-        token_ids[rows] = token_ids[order].clone()
-        hidden_states[rows] = hidden_states[order].clone()
-        positions[rows] = req.context + torch.arange(q, device=positions.device)
+    tb, path = STATE.batch, STATE.path
+    if tb is None or path is None:
+        return
+    num_reqs, num_slots = tb.rows.shape
+    device = tb.rows.device
+    slot = torch.arange(num_slots, device=device)
+    step = torch.arange(path.shape[1], device=device).expand_as(path)
+    rank = torch.full((num_reqs, num_slots + 1), 2 * num_slots, dtype=torch.long, device=device)
+    rank.scatter_(1, torch.where(path >= 0, path, num_slots), step)  # pads land in column Q
+    rank = rank[:, :num_slots]
+    key = torch.where(rank < 2 * num_slots, rank, num_slots + slot)
+    order = key.argsort(1)  # [R, Q]: the path's slots, then the others in slot order
+    source = tb.rows.gather(1, order).flatten().index_select(0, tb.flat_slots)  # [N]
+    token_ids.index_copy_(0, tb.flat_rows, token_ids.index_select(0, source))
+    hidden_states.index_copy_(0, tb.flat_rows, hidden_states.index_select(0, source))
+    sequential = (tb.context[:, None] + slot).flatten().index_select(0, tb.flat_slots)
+    positions.index_copy_(0, tb.flat_rows, sequential.to(positions.dtype))

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The H200 runs of issues 5 and 6, after the gpu-kit install (see README "GPU runs").
+#   bash benchmarks/h200_issue6.sh check   # CUDA unit tests + greedy equality vs no-spec (~6 min)
+#   bash benchmarks/h200_issue6.sh bench   # ddtree bench: bundled pair, then Qwen3-8B shapes (~8 min)
+# Results go to $OUT (the device tool brings them back).
+set -uo pipefail
+export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+case "$1" in
+check)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_flash_tree.py \
+    > "$OUT/gpu_tests.txt" 2>&1
+  timeout 420 python3 benchmarks/vllm_gpu_equality.py --out /tmp/eq > "$OUT/equality.txt" 2>&1
+  cp /tmp/eq/summary.json "$OUT/equality_summary.json"
+  tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter .
+  ;;
+bench)
+  timeout 240 python3 -m ddtree.cli bench --methods ar,dflash,dflash-v1,ddtree \
+    --budgets 16,64,255,511 --concurrency 1,4,16 --temperatures 0,1 --max-tokens 128 \
+    --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
+  rm -rf /tmp/bench_pair/models; cp -r /tmp/bench_pair "$OUT/"
+  timeout 330 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,dflash-v1,ddtree \
+    --budgets 64,255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
+  rm -rf /tmp/bench_8b/models; cp -r /tmp/bench_8b "$OUT/"
+  ;;
+esac
+ls -la "$OUT"
