@@ -2,6 +2,7 @@
 # The H200 runs of issues 5 and 6, after the gpu-kit install (see README "GPU runs").
 #   bash benchmarks/h200_issue6.sh check   # CUDA unit tests + greedy equality vs no-spec (~6 min)
 #   bash benchmarks/h200_issue6.sh bench   # ddtree bench: bundled pair, then Qwen3-8B shapes (~8 min)
+#   bash benchmarks/h200_issue6.sh profile # DDTree's step-time split at Qwen3-8B shapes (~3 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -20,11 +21,19 @@ bench)
   timeout 240 python3 -m ddtree.cli bench --methods ar,dflash,dflash-v1,ddtree \
     --budgets 16,64,255,511 --concurrency 1,4,16 --temperatures 0,1 --max-tokens 128 \
     --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
-  rm -rf /tmp/bench_pair/models; cp -r /tmp/bench_pair "$OUT/"
+  tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   timeout 330 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,dflash-v1,ddtree \
     --budgets 64,255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
     --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
-  rm -rf /tmp/bench_8b/models; cp -r /tmp/bench_8b "$OUT/"
+  tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
+  ;;
+profile)  # the step-time split (DDTREE_PROFILE) of DDTree at 8B shapes, the V1 chain beside it
+  DDTREE_PROFILE=20 timeout 300 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
+    --methods dflash-v1,ddtree --budgets 64,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 \
+    --kv-cache-gib 2 --title "profile" --out /tmp/prof_8b > "$OUT/prof_8b.txt" 2>&1
+  tar czf "$OUT/prof_8b.tgz" -C /tmp/prof_8b --exclude=models .
+  grep -h "ddtree-profile" /tmp/prof_8b/*.log | tail -12
   ;;
 esac
 ls -la "$OUT"
+

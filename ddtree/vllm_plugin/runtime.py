@@ -17,8 +17,11 @@ Per step and request (docs/integration.md has the map):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +65,84 @@ def sync_checked(fn):
             torch.cuda.set_sync_debug_mode(0)
 
     return checked
+
+
+class StepProfile:
+    """``DDTREE_PROFILE=N``: the step's time split, logged every N steps (host and device ms).
+
+    Marks are recorded at stage boundaries: a host clock and a CUDA event each, no sync (the
+    events of a step are read at the next step, after vLLM's own per-step sync). Stages:
+    prepare (positions, tree batch), forward (the target's verify forward, tree attention
+    included; ``attention`` is its tree-attention share), sample (target tokens + walk), commit
+    (KV moves), vllm (vLLM's bookkeeping before the drafter), draft (context reorder + DFlash
+    forward), build (``build_tree``), rest (until the next step: scheduling, outputs).
+    """
+
+    ORDER = ("prepare", "forward", "sample", "commit", "vllm", "draft", "build", "rest")
+
+    def __init__(self, every: int):
+        self.every = every
+        self.marks: list[tuple[str, float, object]] = []
+        self.attention: list[tuple[object, object]] = []
+        self.sums: dict[str, list[float]] = {}
+        self.steps = 0
+
+    def _event(self):
+        if not torch.cuda.is_available():
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, name: str) -> None:
+        if name == "prepare" and self.marks:
+            self._close_step()
+        self.marks.append((name, time.perf_counter(), self._event()))
+
+    def attention_span(self):
+        start, profile = self._event(), self
+
+        class _Span:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                profile.attention.append((start, profile._event()))
+
+        return _Span()
+
+    def _close_step(self) -> None:
+        import logging
+
+        names = [m[0] for m in self.marks]
+        for (name, host, event), (_, host_next, event_next) in zip(
+            self.marks, [*self.marks[1:], (None, time.perf_counter(), self._event())],
+            strict=True,
+        ):  # fmt: skip
+            device = event.elapsed_time(event_next) if event is not None else 0.0
+            total = self.sums.setdefault(name, [0.0, 0.0])
+            total[0] += 1000 * (host_next - host)
+            total[1] += device
+        attention = self.sums.setdefault("attention", [0.0, 0.0])
+        attention[1] += sum(a.elapsed_time(b) for a, b in self.attention if a is not None)
+        self.marks, self.attention = [], []
+        self.steps += 1
+        if self.steps % self.every == 0 and names[0] == "prepare":
+            report = {k: [round(v / self.steps, 3) for v in self.sums[k]]
+                      for k in (*self.ORDER, "attention") if k in self.sums}  # fmt: skip
+            logging.getLogger("ddtree").warning(
+                "ddtree-profile %s", json.dumps({"steps": self.steps, "ms [host, device]": report})
+            )
+            self.sums, self.steps = {}, 0
+
+
+_every = int(os.environ.get("DDTREE_PROFILE", "0") or 0)
+PROFILE = StepProfile(_every) if _every > 0 else None
+
+
+def _mark(name: str) -> None:
+    if PROFILE is not None:
+        PROFILE.mark(name)
 
 
 def _to_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
@@ -159,6 +240,7 @@ def _gather_tree(tree: DraftTree, index: torch.Tensor) -> DraftTree:
 @sync_checked
 def after_prepare_inputs(runner, scheduler_output) -> None:
     """Collect this step's tree requests into a TreeBatch; write their depth positions."""
+    _mark("prepare")
     STATE.batch, STATE.path = None, None
     if not STATE.layer_groups:
         layers = list(target_attention_layers(runner))
@@ -182,6 +264,7 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
                if spec.get(req_id)]  # fmt: skip
     STATE.attention_active = bool(members)
     if not members:
+        _mark("forward")
         return
     device = runner.positions.device
     widest = 1 + max(n for _, _, n in members)
@@ -230,6 +313,7 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
         counts_cpu=counts.tolist(),
         covers_step=int(counts.sum()) == int(starts_all[num_reqs]),
     )
+    _mark("forward")
 
 
 # --- 3. attention (inside the attention impl's forward) ---------------------------------------
@@ -238,6 +322,12 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
 @sync_checked
 def tree_attention(impl, query, key, value, kv_cache, output, group: int) -> None:
     """The tree requests' rows of ``output``: context part + tree part, merged."""
+    span = PROFILE.attention_span() if PROFILE is not None else contextlib.nullcontext()
+    with span:
+        _tree_attention(impl, query, key, value, kv_cache, output, group)
+
+
+def _tree_attention(impl, query, key, value, kv_cache, output, group: int) -> None:
     tb = STATE.batch
     query_flat = query.index_select(0, tb.flat_rows)  # [N, H, hd]
     if hasattr(impl, "isa"):  # vLLM's CPU attention
@@ -300,6 +390,7 @@ def tree_sample(runner, logits: torch.Tensor, metadata, sampling_metadata):
     from vllm.v1.outputs import SamplerOutput
 
     STATE.attention_active = False
+    _mark("sample")
     tb = STATE.batch
     num_reqs = runner.input_batch.num_reqs
     device = logits.device
@@ -325,7 +416,9 @@ def tree_sample(runner, logits: torch.Tensor, metadata, sampling_metadata):
     cols = min(width, acceptance.emitted.shape[1])
     out[tb.batch_index, :cols] = acceptance.emitted[:, :cols].to(torch.int32)
     STATE.path = acceptance.path
+    _mark("commit")
     _commit_kv(runner, tb, acceptance.path)
+    _mark("vllm")
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
 
@@ -393,13 +486,17 @@ def make_proposer_class(base):
         def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                     target_hidden_states, next_token_ids, token_indices_to_sample,
                     common_attn_metadata, sampling_metadata, *args, **kwargs):  # fmt: skip
+            _mark("draft")
             _reorder_context(target_token_ids, target_positions, target_hidden_states)
             super().propose(
                 self.draft_depth, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata,
                 sampling_metadata, *args, **kwargs,
             )  # fmt: skip
-            return self._propose_trees(next_token_ids.shape[0])
+            _mark("build")
+            trees = self._propose_trees(next_token_ids.shape[0])
+            _mark("rest")
+            return trees
 
         @sync_checked
         def _propose_trees(self, num_reqs: int) -> torch.Tensor:
