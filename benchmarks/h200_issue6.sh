@@ -28,7 +28,7 @@ bench)
   tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
   ;;
 profile)  # the step-time split (DDTREE_PROFILE) of DDTree at 8B shapes, the V1 chain beside it
-  DDTREE_PROFILE=20 timeout 300 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
+  DDTREE_PROFILE=20 DDTREE_PROFILE_OPS=1 timeout 300 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
     --methods dflash-v1,ddtree --budgets 64,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 \
     --kv-cache-gib 2 --title "profile" --out /tmp/prof_8b > "$OUT/prof_8b.txt" 2>&1
   tar czf "$OUT/prof_8b.tgz" -C /tmp/prof_8b --exclude=models .

@@ -68,70 +68,76 @@ def sync_checked(fn):
 
 
 class StepProfile:
-    """``DDTREE_PROFILE=N``: the step's time split, logged every N steps (host and device ms).
+    """``DDTREE_PROFILE=N``: the step's time split, logged every N steps (mean ms per step).
 
-    Marks are recorded at stage boundaries: a host clock and a CUDA event each, no sync (the
-    events of a step are read at the next step, after vLLM's own per-step sync). Stages:
-    prepare (positions, tree batch), forward (the target's verify forward, tree attention
-    included; ``attention`` is its tree-attention share), sample (target tokens + walk), commit
-    (KV moves), vllm (vLLM's bookkeeping before the drafter), draft (context reorder + DFlash
-    forward), build (``build_tree``), rest (until the next step: scheduling, outputs).
+    Profiling only: at every stage boundary the device is synchronized and the host clock
+    read, so each stage's time is its full cost (host + device) on the critical path. Stages:
+    prepare (positions, tree batch), forward (the target's verify forward; ``attention`` is its
+    tree-attention share), sample (target tokens + walk), commit (KV moves), vllm (vLLM's
+    bookkeeping before the drafter), draft (context reorder + DFlash forward), build
+    (``build_tree``), rest (until the next step: vLLM's scheduling and outputs).
     """
 
     ORDER = ("prepare", "forward", "sample", "commit", "vllm", "draft", "build", "rest")
 
     def __init__(self, every: int):
         self.every = every
-        self.marks: list[tuple[str, float, object]] = []
-        self.attention: list[tuple[object, object]] = []
-        self.sums: dict[str, list[float]] = {}
+        self.marks: list[tuple[str, float]] = []
+        self.sums: dict[str, float] = {}
         self.steps = 0
+        self.total_steps = 0
+        self.ops = None  # DDTREE_PROFILE_OPS=1: torch.profiler over steps 2N..3N, op table logged
 
-    def _event(self):
-        if not torch.cuda.is_available():
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def mark(self, name: str) -> None:
+        now = self._now()
         if name == "prepare" and self.marks:
-            self._close_step()
-        self.marks.append((name, time.perf_counter(), self._event()))
+            self._close_step(now)
+            self._op_profile()
+        self.marks.append((name, now))
 
-    def attention_span(self):
-        start, profile = self._event(), self
-
-        class _Span:
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                profile.attention.append((start, profile._event()))
-
-        return _Span()
-
-    def _close_step(self) -> None:
+    def _op_profile(self) -> None:
         import logging
 
-        names = [m[0] for m in self.marks]
-        for (name, host, event), (_, host_next, event_next) in zip(
-            self.marks, [*self.marks[1:], (None, time.perf_counter(), self._event())],
-            strict=True,
-        ):  # fmt: skip
-            device = event.elapsed_time(event_next) if event is not None else 0.0
-            total = self.sums.setdefault(name, [0.0, 0.0])
-            total[0] += 1000 * (host_next - host)
-            total[1] += device
-        attention = self.sums.setdefault("attention", [0.0, 0.0])
-        attention[1] += sum(a.elapsed_time(b) for a, b in self.attention if a is not None)
-        self.marks, self.attention = [], []
-        self.steps += 1
-        if self.steps % self.every == 0 and names[0] == "prepare":
-            report = {k: [round(v / self.steps, 3) for v in self.sums[k]]
+        if os.environ.get("DDTREE_PROFILE_OPS") != "1":
+            return
+        self.total_steps += 1
+        if self.total_steps == 2 * self.every:
+            self.ops = torch.profiler.profile(record_shapes=False)
+            self.ops.__enter__()
+        elif self.total_steps == 3 * self.every and self.ops is not None:
+            self.ops.__exit__(None, None, None)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            for key in (sort, "self_cpu_time_total"):
+                table = self.ops.key_averages().table(sort_by=key, row_limit=25)
+                logging.getLogger("ddtree").warning("ddtree-ops by %s\n%s", key, table)
+            self.ops = None
+
+    @contextlib.contextmanager
+    def attention_span(self):
+        start = self._now()
+        yield
+        self.sums["attention"] = self.sums.get("attention", 0.0) + self._now() - start
+
+    def _close_step(self, now: float) -> None:
+        import logging
+
+        ends = [t for _, t in self.marks[1:]] + [now]
+        for (name, start), end in zip(self.marks, ends, strict=True):
+            self.sums[name] = self.sums.get(name, 0.0) + end - start
+        first = self.marks[0][0]
+        self.marks = []
+        self.steps += first == "prepare"
+        if self.steps == self.every:
+            report = {k: round(1000 * self.sums[k] / self.steps, 3)
                       for k in (*self.ORDER, "attention") if k in self.sums}  # fmt: skip
             logging.getLogger("ddtree").warning(
-                "ddtree-profile %s", json.dumps({"steps": self.steps, "ms [host, device]": report})
+                "ddtree-profile %s", json.dumps({"steps": self.steps, "ms_per_step": report})
             )
             self.sums, self.steps = {}, 0
 
