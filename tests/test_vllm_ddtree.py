@@ -92,6 +92,16 @@ def test_bad_config_is_refused(spec, message):
         parse_options(full)
 
 
+def test_default_verify_cap():
+    from ddtree.vllm_plugin.patches import parse_options
+
+    base = {"method": "ddtree", "model": str(MODELS / "drafter")}
+    assert parse_options({**base, "ddtree_budget": 64})[1].max_verify_tokens == 512
+    assert parse_options({**base, "ddtree_budget": 1023})[1].max_verify_tokens == 1024
+    off = {**base, "ddtree_budget": 64, "ddtree_max_verify_tokens": None}
+    assert parse_options(off)[1].max_verify_tokens is None
+
+
 def test_step_budget_follows_the_batch_but_keeps_the_chain():
     from ddtree.vllm_plugin.runtime import DDTreeOptions
 

@@ -12,6 +12,10 @@ from ddtree.vllm_plugin import runtime
 
 PINNED_VLLM = "0.26.0"
 MAX_BUDGET = 1024
+# Default cap on a step's tree tokens (all requests together). On an H200 at Qwen3-8B shapes a
+# verify forward of up to ~512 tokens costs about what a 16-token chain verify costs (issue 6's
+# figures); beyond it the forward grows with the tokens, so trees shrink as the batch grows.
+DEFAULT_MAX_VERIFY_TOKENS = 512
 _APPLIED = False
 
 
@@ -48,7 +52,7 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
     spec = dict(spec)
     budget = spec.pop("ddtree_budget", None)
     chain_seed = spec.pop("ddtree_chain_seed", True)
-    max_verify_tokens = spec.pop("ddtree_max_verify_tokens", None)
+    max_verify_tokens = spec.pop("ddtree_max_verify_tokens", "default")
     if budget is None:
         budget = spec.get("num_speculative_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
@@ -58,6 +62,8 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
         )
     if not isinstance(chain_seed, bool):
         raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
+    if max_verify_tokens == "default":
+        max_verify_tokens = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
     if max_verify_tokens is not None and (
         isinstance(max_verify_tokens, bool)
         or not isinstance(max_verify_tokens, int)
@@ -65,7 +71,7 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
     ):
         raise ValueError(
             "ddtree_max_verify_tokens must be a positive int (tree tokens per step, all "
-            f"requests together) or null, got {max_verify_tokens!r}"
+            f"requests together) or null (no cap), got {max_verify_tokens!r}"
         )
     if spec.get("model") is None:
         raise ValueError("speculative_config.model must name the DFlash drafter for ddtree")
