@@ -192,7 +192,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     temps = sorted({r["temperature"] for r in rows})
-    fig, axes = plt.subplots(2, len(temps), figsize=(6 * len(temps), 8), squeeze=False)
+    fig, axes = plt.subplots(3, len(temps), figsize=(6 * len(temps), 12), squeeze=False)
     for col, temperature in enumerate(temps):
         sub = [r for r in rows if r["temperature"] == temperature]
         for concurrency in sorted({r["concurrency"] for r in sub}):
@@ -204,13 +204,18 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                                      "o-", label=f"DDTree, c={concurrency}")[0]  # fmt: skip
             axes[1, col].plot([b for b, _ in tree], [r["tau"] for _, r in tree], "o-",
                               color=line.get_color(), label=f"DDTree, c={concurrency}")  # fmt: skip
+            axes[2, col].plot([b for b, _ in tree], [r["ms_per_step"] for _, r in tree], "o-",
+                              color=line.get_color(), label=f"DDTree, c={concurrency}")  # fmt: skip
             styles = {"dflash": "--", "dflash-v1": "-.", "ar": ":"}
             for r, style in ((r, styles[r["engine"]]) for r in at if r["engine"] in styles):
                 axes[0, col].axhline(r["tokens_per_s"], ls=style, color=line.get_color(),
                                      label=f"{r['engine']}, c={concurrency}")  # fmt: skip
                 if r["engine"] == "dflash":
                     axes[1, col].axhline(r["tau"], ls=style, color=line.get_color())
-        for row, label in ((0, "output tokens/s"), (1, "tau (mean acceptance length)")):
+                axes[2, col].axhline(r["ms_per_step"], ls=style, color=line.get_color())
+        labels = ((0, "output tokens/s"), (1, "tau (mean acceptance length)"),
+                  (2, "ms per step (verify + draft)"))  # fmt: skip
+        for row, label in labels:
             ax = axes[row, col]
             ax.set_xscale("log", base=2)
             ax.set_xlabel("DDTree budget B (tree nodes)")
@@ -218,6 +223,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax.set_title(f"{title}, T={temperature}")
             ax.grid(alpha=0.3)
         axes[0, col].set_yscale("log")
+        axes[2, col].set_yscale("log")
         axes[0, col].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
