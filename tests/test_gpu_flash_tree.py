@@ -70,3 +70,40 @@ def test_suffix_and_merge_do_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(merged, out)
+
+
+def test_triton_kernel_matches_merged_path_in_bf16():
+    from ddtree.vllm_plugin import triton_tree_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    num_slots, contexts, counts = 65, [700, 37], [65, 30]
+    trees = ddtree.build_tree(torch.randn(2, 15, 1000, device="cuda", generator=gen), 64)
+    memory = torch.randn(200, BLOCK, KV_HEADS, 2 * HEAD, device="cuda", generator=gen)
+    kv_cache = memory.bfloat16().permute(0, 2, 1, 3)
+    tables = torch.randperm(200, device="cuda", generator=gen)[:100].view(2, 50).int()
+    num_rows = sum(counts)
+    query = torch.randn(num_rows, HEADS, HEAD, device="cuda", generator=gen).bfloat16()
+    key = torch.randn(num_rows, KV_HEADS, HEAD, device="cuda", generator=gen).bfloat16()
+    value = torch.randn(num_rows, KV_HEADS, HEAD, device="cuda", generator=gen).bfloat16()
+    rows = torch.full((2, num_slots), 65, dtype=torch.long, device="cuda")
+    rows[0] = torch.arange(65, device="cuda")
+    rows[1, :30] = torch.arange(65, 95, device="cuda")
+    limit = torch.tensor(counts, device="cuda")[:, None]
+    scheduled = torch.arange(num_slots, device="cuda") < limit
+    flat_slots = scheduled.flatten().nonzero().squeeze(1)
+    flat_rows = rows.flatten()[flat_slots]
+    context = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    impl = SimpleNamespace(scale=HEAD**-0.5)  # the reference needs no vLLM
+    out_p, lse_p = cpu_tree_attention.prefix_attention(
+        query[flat_rows], kv_cache, tables, contexts, counts, impl.scale,
+        read=flash_tree_attention.read_paged_kv,
+    )  # fmt: skip
+    out_s, lse_s = suffix_attention(query, key, value, rows, trees.mask, impl.scale)
+    want = merge(out_p, lse_p, out_s[flat_slots], lse_s[flat_slots])
+    output = torch.zeros_like(query)
+    triton_tree_attention.tree_attention(
+        query, key, value, kv_cache, output, rows,
+        torch.tensor(counts, dtype=torch.int32, device="cuda"), trees.mask, context, tables,
+        impl.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(output[flat_rows].float(), want, atol=2e-2, rtol=0)

@@ -175,6 +175,7 @@ class TreeBatch:
     context: torch.Tensor  # long [R]: tokens already in the KV cache (the root's position)
     context_i32: torch.Tensor  # int32 [R]: the same (FlashAttention's seqused_k)
     cu_queries: torch.Tensor  # int32 [R + 1]: offsets of each request's slots in flat_rows
+    counts: torch.Tensor  # int32 [R]: scheduled slots per request (1 + drafts)
     block_tables: list[torch.Tensor]  # per KV group: int32 [R, max_blocks]
     context_cpu: list[int]
     max_context: int
@@ -196,6 +197,12 @@ class StepState:
 
 
 STATE = StepState()
+# The GPU tree attention: "merge" (FlashAttention over the context + a dense tree part, merged
+# by log-sum-exp; checked on the H200) or "triton" (one kernel per layer; experimental, checked
+# with Triton's CPU interpreter only).
+TREE_ATTENTION = os.environ.get("DDTREE_TREE_ATTENTION", "merge")
+if TREE_ATTENTION not in ("merge", "triton"):
+    raise ValueError(f"DDTREE_TREE_ATTENTION must be merge or triton, got {TREE_ATTENTION!r}")
 SUPPORTED_ATTENTION_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")
 
 
@@ -313,6 +320,7 @@ def after_prepare_inputs(runner, scheduler_output) -> None:
         context=context_d,
         context_i32=context_d.int(),
         cu_queries=cu_d.int(),
+        counts=(cu_d[1:] - cu_d[:-1]).int(),
         block_tables=tables,
         context_cpu=context.tolist(),
         max_context=int(context.max()),
@@ -335,6 +343,14 @@ def tree_attention(impl, query, key, value, kv_cache, output, group: int) -> Non
 
 def _tree_attention(impl, query, key, value, kv_cache, output, group: int) -> None:
     tb = STATE.batch
+    if TREE_ATTENTION == "triton" and not hasattr(impl, "isa"):
+        from ddtree.vllm_plugin import triton_tree_attention
+
+        triton_tree_attention.tree_attention(
+            query, key, value, kv_cache, output.view(query.shape), tb.rows, tb.counts,
+            tb.tree.mask, tb.context_i32, tb.block_tables[group], impl.scale,
+        )  # fmt: skip
+        return
     query_flat = query.index_select(0, tb.flat_rows)  # [N, H, hd]
     if hasattr(impl, "isa"):  # vLLM's CPU attention
         out_p, lse_p = cpu_tree_attention.prefix_attention(
