@@ -198,8 +198,8 @@ class StepState:
 
 STATE = StepState()
 # The GPU tree attention: "merge" (FlashAttention over the context + a dense tree part, merged
-# by log-sum-exp; checked on the H200) or "triton" (one kernel per layer; experimental, checked
-# with Triton's CPU interpreter only).
+# by log-sum-exp; run inside vLLM on the H200) or "triton" (one kernel per layer; checked on
+# the H200 against the merged path, not yet run inside a vLLM engine there).
 TREE_ATTENTION = os.environ.get("DDTREE_TREE_ATTENTION", "merge")
 if TREE_ATTENTION not in ("merge", "triton"):
     raise ValueError(f"DDTREE_TREE_ATTENTION must be merge or triton, got {TREE_ATTENTION!r}")
