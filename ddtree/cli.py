@@ -1,4 +1,4 @@
-"""Command line: ``ddtree serve | generate | train | tau | bench``."""
+"""Command line: ``ddtree serve | generate | train | tau | bench | soak``."""
 
 from __future__ import annotations
 
@@ -266,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="vLLM engines: no-spec vs DFlash chain vs DDTree (tokens/s, tau)"
     )
     bench_vllm.add_arguments(bench)
+    from ddtree.bench import soak as soak_tool
+
+    soak = sub.add_parser(
+        "soak", help="drive the DDTree server with concurrent clients (loopback); "
+        "arguments after -- go to vLLM",
+    )  # fmt: skip
+    soak_tool.add_arguments(soak)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args, extra)
     if args.command == "bench":
         return bench_vllm.run(args, argv[1:])
+    if args.command == "soak":
+        return soak_tool.run(args, extra)
     handlers = {"generate": _generate, "train": _train, "tau": _tau}
     return handlers[args.command](args)
 
