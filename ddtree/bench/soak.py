@@ -23,11 +23,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+_TAKEN: set[int] = set()
+
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port not handed out before in this process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
 
 
 class Server:
@@ -48,7 +55,11 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.name}")
+                self.log.flush()
+                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} ({self.log.name}):\n{tail}"
+                )
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
                 return
