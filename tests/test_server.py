@@ -42,11 +42,9 @@ class Server:
         self.model = self.client.models.list().data[0].id
 
     def stop(self):
-        self.proc.terminate()  # stopped by PID
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        from ddtree.bench.soak import stop_process_tree
+
+        stop_process_tree(self.proc)  # by PID, engine processes included
 
 
 def _chats(server):

@@ -37,6 +37,27 @@ def _free_port() -> int:
             return port
 
 
+def stop_process_tree(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM ``proc``, wait for it and every child (vLLM's engine core holds the KV cache),
+    SIGKILL what is left after ``timeout``."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        child.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
 class Server:
     """``ddtree serve`` on a free loopback port (``budget`` 0: no speculative decoding)."""
 
@@ -88,13 +109,8 @@ class Server:
             return float("nan")
 
     def stop(self) -> None:
-        """Stop by PID: SIGTERM, then SIGKILL after 60 s."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """Stop by PID: SIGTERM, then SIGKILL after 60 s; waits for the engine processes too."""
+        stop_process_tree(self.proc)
         self.log.close()
 
 
