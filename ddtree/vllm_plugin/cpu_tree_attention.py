@@ -29,6 +29,16 @@ def check_isa(isa: str) -> None:
         )
 
 
+def _key_value_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the cache as K ``[blocks, kvh, hd, block]`` and V ``[blocks, kvh, block, hd]``."""
+    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+    head_size = width // 2
+    raw = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)
+    keys = raw[:, :, 0].view(num_blocks, num_kv_heads, head_size, block_size)
+    values = raw[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size)
+    return keys, values
+
+
 def read_paged_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,15 +47,14 @@ def read_paged_kv(
     ``kv_cache [num_blocks, num_kv_heads, block_size, 2 * head_size]``; ``block_table [max_blocks]``
     lists the request's blocks in order.
     """
-    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-    head_size = width // 2
+    _, num_kv_heads, block_size, width = kv_cache.shape
     used = -(-seq_len // block_size)
     blocks = block_table[:used].long()
-    raw = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)[blocks]  # [n, h, 2, .]
-    keys = raw[:, :, 0].view(used, num_kv_heads, head_size, block_size).permute(0, 3, 1, 2)
-    values = raw[:, :, 1].view(used, num_kv_heads, block_size, head_size).permute(0, 2, 1, 3)
-    keys = keys.reshape(used * block_size, num_kv_heads, head_size)[:seq_len]
-    values = values.reshape(used * block_size, num_kv_heads, head_size)[:seq_len]
+    all_keys, all_values = _key_value_views(kv_cache)
+    keys = all_keys[blocks].permute(0, 3, 1, 2)  # [used, block, kvh, hd]
+    values = all_values[blocks].permute(0, 2, 1, 3)  # [used, block, kvh, hd]
+    keys = keys.reshape(used * block_size, num_kv_heads, width // 2)[:seq_len]
+    values = values.reshape(used * block_size, num_kv_heads, width // 2)[:seq_len]
     return keys, values
 
 
@@ -79,13 +88,10 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, isa
 
     check_isa(isa)
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-    head_size = width // 2
-    raw = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)
-    keys = raw[:, :, 0].view(num_blocks, num_kv_heads, head_size, block_size)
-    values = raw[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size)
+    keys, values = _key_value_views(kv_cache)
     block, offset = src // block_size, src % block_size
     src_keys = keys[block, :, :, offset]  # [M, kvh, hd] (a copy)
     src_values = values[block, :, offset]  # [M, kvh, hd]
-    view = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, head_size)
+    view = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, width // 2)
     key_cache, value_cache = view.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(src_keys, src_values, key_cache, value_cache, dst, isa)

@@ -420,10 +420,7 @@ def tree_sample(runner, logits: torch.Tensor, metadata, sampling_metadata):
     first_row = torch.nn.functional.pad(counts.cumsum(0), (1, 0))  # [num_reqs + 1]
     request_of_row = torch.repeat_interleave(torch.arange(num_reqs), counts)
     num_slots = tb.rows.shape[1]
-    host = [request_of_row, first_row[:num_reqs]]
-    request_of_row_d, first_row_d = (
-        torch.cat(host).to(device, non_blocking=True).split([h.numel() for h in host])
-    )
+    request_of_row_d, first_row_d = _to_device([request_of_row, first_row[:num_reqs]], device)
     tokens = target_tokens(logits, sampling_metadata, request_of_row_d, first_row.tolist())
 
     width = metadata.max_spec_len + 1

@@ -18,6 +18,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _online_softmax_step(scores, v, top, total, acc):
+    """Fold a tile of ``scores [BQ, BN]`` (``-inf`` where unseen) and its ``v [BN, hd]`` into
+    the running row maxima ``top``, softmax sums ``total`` and outputs ``acc``."""
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # rows that have seen nothing yet
+    probs = tl.exp(scores - safe[:, None])
+    rescale = tl.exp(top - safe)
+    total = total * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    return new_top, total, acc
+
+
+@triton.jit
 def _tree_attention_kernel(
     query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr,
     rows_ptr, counts_ptr, mask_ptr, context_ptr, table_ptr,
@@ -53,13 +66,7 @@ def _tree_attention_kernel(
                     other=0.0)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
-        probs = tl.exp(scores - safe[:, None])
-        rescale = tl.exp(top - safe)
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        top = new_top
+        top, total, acc = _online_softmax_step(scores, v, top, total, acc)
 
     # The tree's own slots: slot i sees slot j iff mask[r, i, j] (its ancestors and itself).
     for start in range(0, count, BLOCK_N):
@@ -74,13 +81,7 @@ def _tree_attention_kernel(
                        mask=q_valid[:, None] & valid[None, :], other=0)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(seen != 0, scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
-        probs = tl.exp(scores - safe[:, None])
-        rescale = tl.exp(top - safe)
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        top = new_top
+        top, total, acc = _online_softmax_step(scores, v, top, total, acc)
 
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + q_row[:, None] * s_ot + head * s_oh + dims[None, :],
