@@ -12,8 +12,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 case "$1" in
 check)
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_flash_tree.py \
-    > "$OUT/gpu_tests.txt" 2>&1
-  timeout 420 python3 benchmarks/vllm_gpu_equality.py --out /tmp/eq > "$OUT/equality.txt" 2>&1
+    tests/test_gpu_graphs.py > "$OUT/gpu_tests.txt" 2>&1
+  timeout 480 python3 benchmarks/vllm_gpu_equality.py --out /tmp/eq > "$OUT/equality.txt" 2>&1
   cp /tmp/eq/summary.json "$OUT/equality_summary.json"
   tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter .
   ;;

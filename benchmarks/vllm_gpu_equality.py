@@ -22,14 +22,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGETS = (1, 15, 64, 255)
+BUDGETS = (1, 15, 64, 255, 511)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
-    "pair_ddtreesync_64", "random_nospec", "random_dflash", "random_ddtree_15",
-    "random_ddtree_64",
+    "pair_ddtreemerge_255", "pair_ddtreemerge_511", "pair_ddtreesync_64", "random_nospec",
+    "random_dflash", "random_ddtree_15", "random_ddtree_64",
 ]  # fmt: skip
 # dflash: vLLM's own chain under DDTree's engine settings, the control for the numerics of a
-# verify forward. ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around
-# DDTree's per-step code; the log lists every sync it made).
+# verify forward. ddtree: the default tree attention (the Triton kernel on the GPU);
+# ddtreemerge: DDTREE_TREE_ATTENTION=merge (FlashAttention + dense part, merged by LSE).
+# ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
+# code; the log lists every sync it made).
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 
@@ -90,10 +92,12 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
         extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     elif method != "nospec":
-        if method.startswith("ddtreesync_"):
-            import os
+        import os
 
+        if method.startswith("ddtreesync_"):
             os.environ["DDTREE_SYNC_DEBUG"] = "warn"
+        if method.startswith("ddtreemerge_"):
+            os.environ["DDTREE_TREE_ATTENTION"] = "merge"
         budget = int(method.split("_")[-1])
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
     t0 = time.time()
@@ -222,6 +226,10 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
             row["generate_s"] = got["generate_s"]
             row["nospec_generate_s"] = base["generate_s"]
             row["spec_metrics"] = got["spec_metrics"]
+            drafts = got["spec_metrics"].get("vllm:spec_decode_num_drafts")
+            accepted = got["spec_metrics"].get("vllm:spec_decode_num_accepted_tokens")
+            # tau over both runs (greedy batch + the T=1 batch): 1 + accepted per draft step
+            row["tau"] = round(1 + accepted / drafts, 3) if drafts else None
         log = (out / f"{name}.log").read_text(errors="replace")
         row["sync_warnings"] = log.count("called a synchronizing CUDA operation")
         rows.append(row)

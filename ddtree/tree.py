@@ -184,13 +184,24 @@ def build_tree(
     """
     _check_inputs(draft_logits, budget, check_values)
     batch, depth, vocab = draft_logits.shape
-    device = draft_logits.device
-    n_slots = 1 + budget
     if budget == 0:
-        return _root_only(batch, depth, device)
+        return _root_only(batch, depth, draft_logits.device)
+    logprobs, token_ids = draft_topk(draft_logits, min(budget, vocab))  # [b, D, k] each
+    return tree_from_ranked(logprobs, token_ids, budget, chain_seed=chain_seed)
 
-    k = min(budget, vocab)
-    logprobs, token_ids = draft_topk(draft_logits, k)  # [b, D, k] each
+
+def tree_from_ranked(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, *, chain_seed: bool = False
+) -> DraftTree:
+    """The tree stage of :func:`build_tree`, from ``draft_topk``'s ranked ``logprobs`` float32
+    and ``token_ids`` long, both ``[b, D, k]`` with ``k = min(budget, vocab)``, budget >= 1.
+
+    It depends on nothing but these small tensors and ``budget``: engines capture it in a CUDA
+    graph per (batch, budget) shape, while the vocabulary stage stays outside.
+    """
+    batch, depth, k = logprobs.shape
+    device = logprobs.device
+    n_slots = 1 + budget
     # Depth 1: the k ranked tokens, then -inf (absent) up to the beam width.
     beam_score = torch.nn.functional.pad(logprobs[:, 0], (0, budget - k), value=float("-inf"))
     scores, picks = [beam_score], []  # per depth: [b, B] scores, [b, B] candidate picked

@@ -28,3 +28,30 @@ def test_padding_tree_accepts_nothing():
     acc = ddtree.walk(tree, torch.zeros(2, 9, dtype=torch.long))
     assert acc.num_accepted.tolist() == [0, 0]
     assert acc.emitted[:, 0].tolist() == [0, 0]  # the bonus: the target's token at the root
+
+
+def test_buckets_are_powers_of_two():
+    from ddtree.vllm_plugin.graphs import bucket
+
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_proposal_is_the_tree_plus_a_padding_row():
+    """The proposer's tree stage (graphed on the GPU, eager here) from padded ranked tokens:
+    the rows of the real requests equal build_tree, one padding row follows."""
+    from ddtree.tree import draft_topk
+    from ddtree.vllm_plugin import runtime
+
+    logits = torch.randn(3, 15, 300, generator=torch.Generator().manual_seed(0)) * 3
+    logprobs, token_ids = draft_topk(logits, 40)
+    pad = (0, 0, 0, 0, 0, 1)  # 3 requests -> bucket 4
+    proposal, drafts = runtime.PROPOSAL(
+        torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(token_ids, pad),
+        budget=40, chain_seed=True,
+    )  # fmt: skip
+    want = ddtree.build_tree(logits, 40, chain_seed=True)
+    assert proposal.tokens.shape == (5, 41) and drafts.shape == (4, 40)
+    for name in ("tokens", "parents", "depths", "mask", "ancestors"):
+        assert torch.equal(getattr(proposal, name)[:3], getattr(want, name)), name
+    assert torch.equal(drafts[:3], want.tokens[:, 1:].clamp(min=0))
+    assert (proposal.tokens[4] == -1).all() and proposal.mask[4].equal(torch.eye(41, dtype=bool))

@@ -119,6 +119,16 @@ def test_budget_above_batched_tokens_is_refused():
                  max_num_batched_tokens=256, gpu_memory_utilization=0.2)  # fmt: skip
 
 
+def test_triton_tree_attention_is_refused_on_the_cpu(monkeypatch):
+    from ddtree.vllm_plugin import runtime
+
+    monkeypatch.setattr(runtime, "TREE_ATTENTION", "triton")
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 16}
+    with pytest.raises(NotImplementedError, match="DDTREE_TREE_ATTENTION=triton needs a CUDA"):
+        vllm.LLM(model=str(MODELS / "target"), speculative_config=spec,
+                 max_num_batched_tokens=2048, gpu_memory_utilization=0.2)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -97,6 +97,10 @@ def _patch_engine_args_create_speculative_config() -> None:
 
         if current_platform.is_cuda():
             _configure_for_cuda(self)
+        elif current_platform.is_cpu() and runtime.TREE_ATTENTION == "triton":
+            raise NotImplementedError(
+                "DDTREE_TREE_ATTENTION=triton needs a CUDA GPU; on the CPU use merge or auto"
+            )
         elif not current_platform.is_cpu():
             # The tree mask is wired into vLLM's CPU and FlashAttention paths only; elsewhere
             # the target would attend causally across siblings and outputs would be wrong.

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.tree import DraftTree, build_tree
+from ddtree.tree import DraftTree, draft_topk, tree_from_ranked
 from ddtree.verify import walk
-from ddtree.vllm_plugin import cpu_tree_attention, flash_tree_attention
+from ddtree.vllm_plugin import cpu_tree_attention, flash_tree_attention, graphs
 from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
 
 
@@ -194,15 +194,17 @@ class StepState:
     attention_active: bool = False  # True only during the target forward
     layer_groups: dict[str, int] = field(default_factory=dict)  # target layer -> KV group
     depth: int = 0  # D: the drafter's positions per proposal
+    commit: graphs.GraphCache | None = None  # the KV commit over every target layer
 
 
 STATE = StepState()
-# The GPU tree attention: "merge" (FlashAttention over the context + a dense tree part, merged
-# by log-sum-exp; run inside vLLM on the H200) or "triton" (one kernel per layer; checked on
-# the H200 against the merged path, not yet run inside a vLLM engine there).
-TREE_ATTENTION = os.environ.get("DDTREE_TREE_ATTENTION", "merge")
-if TREE_ATTENTION not in ("merge", "triton"):
-    raise ValueError(f"DDTREE_TREE_ATTENTION must be merge or triton, got {TREE_ATTENTION!r}")
+# The GPU tree attention (``DDTREE_TREE_ATTENTION``): "triton" (the default on the GPU: one
+# kernel per layer, ``triton_tree_attention``) or "merge" (FlashAttention over the context + a
+# dense tree part, merged by log-sum-exp; ~50 small ops per layer). vLLM's CPU attention has
+# the merged path only (SDPA over the paged cache); "triton" there is an error.
+TREE_ATTENTION = os.environ.get("DDTREE_TREE_ATTENTION", "auto")
+if TREE_ATTENTION not in ("auto", "merge", "triton"):
+    raise ValueError(f"DDTREE_TREE_ATTENTION must be auto, merge or triton, got {TREE_ATTENTION!r}")
 SUPPORTED_ATTENTION_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")
 
 
@@ -343,7 +345,7 @@ def tree_attention(impl, query, key, value, kv_cache, output, group: int) -> Non
 
 def _tree_attention(impl, query, key, value, kv_cache, output, group: int) -> None:
     tb = STATE.batch
-    if TREE_ATTENTION == "triton" and not hasattr(impl, "isa"):
+    if TREE_ATTENTION != "merge" and not hasattr(impl, "isa"):
         from ddtree.vllm_plugin import triton_tree_attention
 
         triton_tree_attention.tree_attention(
@@ -444,23 +446,43 @@ def tree_sample(runner, logits: torch.Tensor, metadata, sampling_metadata):
 def _commit_kv(runner, tb: TreeBatch, path: torch.Tensor) -> None:
     """Move the accepted path's K/V to the slots right after the context, in every target
     layer: slot ``context + path[k]`` -> ``context + k`` (k >= 1; the others copy onto
-    themselves), all requests in one gather + scatter per layer."""
+    themselves). The moves of all requests, padded to a bucket of requests with copies of
+    slot 0 (vLLM's null block) onto itself, are one graph replay (``_layer_commit``)."""
     width = min(path.shape[1], tb.rows.shape[1])
     path = path[:, 1:width]  # [R, P]
     dst_rows = tb.rows[:, 1:width]
     src_rows = torch.where(path >= 0, tb.rows.gather(1, path.clamp(min=0)), dst_rows)
+    num_reqs, num_moves = path.shape
+    padding = (graphs.bucket(num_reqs) - num_reqs) * num_moves
     tables = runner.input_batch.block_table.block_tables
-    moves = {}
+    if STATE.commit is None:
+        STATE.commit = _layer_commit(runner)
+    moves = []
+    for group in range(len(tables)):
+        slots = tables[group].slot_mapping.gpu
+        for rows in (src_rows, dst_rows):
+            moves.append(torch.nn.functional.pad(slots[rows.flatten()], (0, padding)))
+    STATE.commit(*moves)
+
+
+def _layer_commit(runner) -> graphs.GraphCache:
+    """``commit(src_0, dst_0, src_1, dst_1, ...)``: per KV group, cache slots ``src [M]`` ->
+    ``dst [M]`` in every target layer of the group."""
+    layers = []
     for group, _, layer in target_attention_layers(runner):
-        if group not in moves:
-            slots = tables[group].slot_mapping.gpu
-            moves[group] = (slots[src_rows.flatten()], slots[dst_rows.flatten()])
-        src, dst = moves[group]
         kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-        if hasattr(layer.impl, "isa"):  # vLLM's CPU attention
-            cpu_tree_attention.copy_slots(kv_cache, src, dst, layer.impl.isa)
-        else:
-            flash_tree_attention.copy_slots(kv_cache, src, dst)
+        layers.append((group, kv_cache, getattr(layer.impl, "isa", None)))
+
+    def commit(*moves: torch.Tensor) -> None:
+        for group, kv_cache, isa in layers:
+            src, dst = moves[2 * group], moves[2 * group + 1]
+            if isa is not None:  # vLLM's CPU attention
+                cpu_tree_attention.copy_slots(kv_cache, src, dst, isa)
+            else:
+                flash_tree_attention.copy_slots(kv_cache, src, dst)
+
+    # Warm-up before capture: dst onto itself (moving twice would not be harmless).
+    return graphs.GraphCache(commit, warmup=lambda *m: [m[i | 1] for i in range(len(m))])
 
 
 def target_attention_layers(runner):
@@ -519,22 +541,42 @@ def make_proposer_class(base):
 
         @sync_checked
         def _propose_trees(self, num_reqs: int) -> torch.Tensor:
-            """Trees from the kept draft logits; their node tokens ``[R, B_step]`` for vLLM."""
-            budget = self.ddtree.step_budget(num_reqs, self.draft_depth)
+            """Trees from the kept draft logits; their node tokens ``[R, B_step]`` for vLLM.
+
+            The requests are padded to a bucket (``graphs.bucket``) and B_step follows the
+            bucket, so the tree stage is one graph replay per (bucket, B_step)."""
+            padded = graphs.bucket(num_reqs)
+            budget = self.ddtree.step_budget(padded, self.draft_depth)
             logits = self._draft_logits.view(num_reqs, self.draft_depth, -1)
-            trees = build_tree(
-                logits.float(), budget, chain_seed=self.ddtree.chain_seed, check_values=False
-            )
-            padding = padding_tree(1, 1 + budget, self.draft_depth, logits.device)
-            STATE.proposal = DraftTree(**{
-                k: torch.cat([getattr(trees, k), getattr(padding, k)])
-                for k in trees.__dataclass_fields__
-            })  # fmt: skip
+            logprobs, token_ids = draft_topk(logits, min(budget, logits.shape[-1]))
+            pad = (0, 0, 0, 0, 0, padded - num_reqs)
+            proposal, draft_tokens = PROPOSAL(
+                torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(token_ids, pad),
+                budget=budget, chain_seed=self.ddtree.chain_seed,
+            )  # fmt: skip
+            STATE.proposal = proposal  # graph outputs: read before the next replay
             req_ids = self.runner.input_batch.req_ids[:num_reqs]
             STATE.proposed = {req_id: i for i, req_id in enumerate(req_ids)}
-            return torch.where(trees.tokens[:, 1:] >= 0, trees.tokens[:, 1:], 0)
+            return draft_tokens[:num_reqs].clone()
 
     return DDTreeProposer
+
+
+def _proposal(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, *, budget: int, chain_seed: bool
+) -> tuple[DraftTree, torch.Tensor]:
+    """The step's trees ``[R + 1, 1 + budget]`` (the last row all padding, for requests that
+    have no tree) and their node tokens ``[R, budget]`` for vLLM (padding as token 0)."""
+    trees = tree_from_ranked(logprobs, token_ids, budget, chain_seed=chain_seed)
+    padding = padding_tree(1, 1 + budget, logprobs.shape[1], logprobs.device)
+    proposal = DraftTree(**{
+        k: torch.cat([getattr(trees, k), getattr(padding, k)]) for k in trees.__dataclass_fields__
+    })  # fmt: skip
+    nodes = trees.tokens[:, 1:]
+    return proposal, torch.where(nodes >= 0, nodes, 0)
+
+
+PROPOSAL = graphs.GraphCache(_proposal)
 
 
 @sync_checked

@@ -1,0 +1,89 @@
+"""DDTree's own fixed-shape step pieces as CUDA graphs: one replay instead of ~100 launches.
+
+vLLM graphs the target's forward; DDTree's per-step work around it (the tree build from the
+drafter's ranked tokens, the KV commit over every layer) is many small kernels whose launch
+cost, not their GPU time, is what the step pays. Each piece is a function of fixed-shape
+tensors once the number of requests is rounded up to a bucket (:func:`bucket`), so it is
+captured once per shape and replayed after that. On the CPU, or with ``DDTREE_CUDA_GRAPHS=0``,
+the same function runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ENABLED = os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0"
+_POOL = None  # one memory pool for all of DDTree's graphs (they never replay concurrently)
+
+
+def bucket(num_reqs: int) -> int:
+    """Requests rounded up to a power of two: the batch sizes graphs are captured for."""
+    return 1 << max(num_reqs - 1, 0).bit_length()
+
+
+@contextlib.contextmanager
+def _sync_allowed():
+    """Capture synchronizes by design; DDTREE_SYNC_DEBUG must not flag it."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+@dataclasses.dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    outputs: Any
+
+
+class GraphCache:
+    """``fn(*tensors, **options)`` replayed from a CUDA graph captured per (shapes, dtypes,
+    options). The inputs are copied into the graph's own tensors; the outputs returned are the
+    graph's, overwritten by its next replay (copy what must outlive it).
+
+    Before a capture ``fn`` runs once eagerly (lazy initialisations must not happen inside the
+    capture) on ``warmup(inputs)``: for functions with side effects, inputs that make that run
+    harmless.
+    """
+
+    def __init__(self, fn: Callable[..., Any], warmup: Callable[..., list] | None = None):
+        self.fn = fn
+        self.warmup = warmup
+        self.entries: dict[tuple, _Entry] = {}
+
+    def __call__(self, *inputs: torch.Tensor, **options: Any) -> Any:
+        if not (ENABLED and inputs[0].is_cuda):
+            return self.fn(*inputs, **options)
+        key = (tuple((t.shape, t.dtype) for t in inputs), tuple(sorted(options.items())))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._capture(inputs, options)
+        for static, value in zip(entry.inputs, inputs, strict=True):
+            static.copy_(value, non_blocking=True)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _capture(self, inputs, options) -> _Entry:
+        global _POOL
+        if _POOL is None:
+            _POOL = torch.cuda.graph_pool_handle()
+        static = [t.clone() for t in inputs]
+        with _sync_allowed():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn(*(self.warmup(*static) if self.warmup else static), **options)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=_POOL, capture_error_mode="thread_local"):
+                outputs = self.fn(*static, **options)
+        return _Entry(graph, static, outputs)
