@@ -119,6 +119,20 @@ def test_budget_above_batched_tokens_is_refused():
                  max_num_batched_tokens=256, gpu_memory_utilization=0.2)  # fmt: skip
 
 
+def test_scheduler_keeps_room_for_whole_trees():
+    """vLLM reserves drafter slots per sequence out of max_num_batched_tokens; with DDTree that
+    is the drafter's D queries, not B (B=511 x 16 sequences once left 32 tokens per step)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 511}
+    config = EngineArgs(
+        model=str(MODELS / "target"), speculative_config=spec, max_num_seqs=16,
+        max_num_batched_tokens=8192, max_model_len=2048,
+    ).create_engine_config()  # fmt: skip
+    assert config.speculative_config.max_num_new_slots_for_drafting == 14
+    assert config.scheduler_config.max_num_scheduled_tokens == 8192 - 14 * 16
+
+
 def test_triton_tree_attention_is_refused_on_the_cpu(monkeypatch):
     from ddtree.vllm_plugin import runtime
 

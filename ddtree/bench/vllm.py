@@ -157,8 +157,9 @@ def run_engine(name: str, args) -> None:
     llm = vllm.LLM(**engine_kwargs(name, args))
     started = round(time.time() - t0, 1)
     prompts = _prompts(args, max(args.concurrency))
-    measure(llm, prompts, 1, 0.0, 8)  # warm-up: the first steps compile / allocate
-    measure(llm, prompts, max(args.concurrency), 1.0, 8)
+    for temperature in args.temperatures:  # warm-up: first uses compile (Triton) / allocate
+        for concurrency in args.concurrency:
+            measure(llm, prompts, concurrency, temperature, 8)
     (out / f"{name}.ready").touch()
     while not all((out / f"{n}.ready").exists() or (out / f"{n}.failed").exists()
                   for n in args.engines):  # fmt: skip

@@ -32,6 +32,7 @@ def register() -> None:
         )
     _patch_engine_args_create_speculative_config()
     _patch_scheduler_init()
+    _patch_speculative_config_max_num_new_slots_for_drafting()
     _patch_input_processor_validate_params()
     _patch_gpu_model_runner()
     from vllm.platforms import current_platform
@@ -195,6 +196,24 @@ def _patch_scheduler_init() -> None:
     Scheduler.__init__ = scheduler_init
 
 
+def _patch_speculative_config_max_num_new_slots_for_drafting() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+
+    original = SpeculativeConfig.max_num_new_slots_for_drafting
+
+    def max_num_new_slots_for_drafting(self) -> int:
+        if getattr(self, "ddtree", None) is None:
+            return original.fget(self)
+        # vLLM reserves num_speculative_tokens - 1 (+1) drafter slots per request out of
+        # max_num_batched_tokens, i.e. B - 1 with DDTree, but the drafter runs 1 + D queries
+        # per request whatever B is. Reserving B - 1 left B=511 x 16 sequences 32 tokens per
+        # step, and the scheduler cut every tree to a few nodes.
+        depth = (getattr(self.draft_model_config.hf_config, "block_size", None) or 16) - 1
+        return depth - 1 + int(self.uses_draft_model())
+
+    SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
+
+
 def unsupported_request(params) -> str | None:
     """Why a request's sampling parameters cannot be served by the tree sampler (None: they
     can). The tree sampler applies temperature, top-k and top-p; anything else that changes
@@ -303,8 +322,18 @@ def _patch_gpu_model_runner() -> None:
         limit = self.effective_drafter_max_model_len
         return common_attn_metadata.max_seq_len + depth + 1 <= limit
 
+    capture_model = runner_cls.capture_model
+
+    @functools.wraps(capture_model)
+    def _capture_model(self, *args, **kwargs):
+        result = capture_model(self, *args, **kwargs)
+        if _ddtree_on(self):
+            runtime.capture_step_graphs(self)
+        return result
+
     runner_cls._prepare_inputs = _prepare_inputs
     runner_cls._sample = _sample
+    runner_cls.capture_model = _capture_model
     runner_cls._input_fits_in_drafter = _input_fits_in_drafter
 
 

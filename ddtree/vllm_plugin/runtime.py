@@ -562,6 +562,37 @@ def make_proposer_class(base):
     return DDTreeProposer
 
 
+def capture_step_graphs(runner) -> None:
+    """At start-up, after vLLM's own graphs: DDTree's tree-stage and KV-commit graphs for
+    every request bucket up to max_num_seqs, so that no request pays a capture. (A shape not
+    seen here is captured at its first use.)"""
+    if not (graphs.ENABLED and runner.device.type == "cuda"):
+        return
+    options: DDTreeOptions = runner.speculative_config.ddtree
+    depth = runner.drafter.draft_depth
+    vocab = runner.model_config.get_vocab_size()
+    device = runner.device
+    if STATE.commit is None:
+        STATE.commit = _layer_commit(runner)
+    num_groups = len(runner.input_batch.block_table.block_tables)
+    reqs = 1
+    while True:
+        budget = options.step_budget(reqs, depth)
+        k = min(budget, vocab)
+        PROPOSAL(
+            torch.zeros(reqs, depth, k, device=device),
+            torch.zeros(reqs, depth, k, dtype=torch.long, device=device),
+            budget=budget, chain_seed=options.chain_seed,
+        )  # fmt: skip
+        # Moves of slot 0 (vLLM's null block) onto itself: harmless.
+        moves = torch.zeros(reqs * min(depth, budget), dtype=torch.long, device=device)
+        STATE.commit(*[moves] * (2 * num_groups))
+        if reqs >= runner.scheduler_config.max_num_seqs:
+            break
+        reqs *= 2
+    STATE.proposal = None
+
+
 def _proposal(
     logprobs: torch.Tensor, token_ids: torch.Tensor, *, budget: int, chain_seed: bool
 ) -> tuple[DraftTree, torch.Tensor]:
