@@ -172,9 +172,11 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit(f"ddtree serve: no --model given and no bundled pair in {MODELS}")
     if args.model is not None and args.draft is None and args.budget > 0:
         raise SystemExit("ddtree serve: --model needs --draft (a DFlash drafter) or --budget 0")
+    from ddtree.vllm_plugin import plugin_env
+
     cmd = serve_command(args, extra)
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    os.execv(sys.executable, cmd)
+    os.execve(sys.executable, cmd, plugin_env())  # the plugin, also from a source checkout
     return 0
 
 

@@ -41,3 +41,61 @@ def test_context_end_and_preemption_equal_no_spec():
         assert reason == "length"
         assert len(tokens) > MAX_MODEL_LEN - 64, prompt  # ran to the end of the context
     assert got == want
+
+
+def _eos_model(tmp_path: Path, eos: int) -> Path:
+    """The bundled target with token ``eos`` as its end-of-sequence token (weights linked)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "target_eos"
+    model.mkdir()
+    for f in (MODELS / "target").iterdir():
+        (model / f.name).symlink_to(f)
+    token = AutoTokenizer.from_pretrained(MODELS / "target").convert_ids_to_tokens(eos)
+    for name, key, value in (("config.json", "eos_token_id", eos),
+                             ("generation_config.json", "eos_token_id", eos),
+                             ("tokenizer_config.json", "eos_token", token)):  # fmt: skip
+        data = json.loads((MODELS / "target" / name).read_text())
+        data[key] = value
+        (model / name).unlink()
+        (model / name).write_text(json.dumps(data))
+    return model
+
+
+def test_eos_inside_accepted_paths_equals_no_spec(tmp_path):
+    """A token the target emits mid-answer becomes its EOS: every request must end at its first
+    occurrence with finish_reason "stop", as no-spec does, although with DDTree that token is
+    usually inside an accepted path (tau ~ 4 here), not the step's last token."""
+    import collections
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODELS / "target")
+    target = AutoModelForCausalLM.from_pretrained(MODELS / "target", dtype=torch.float32)
+    firsts = collections.Counter()
+    for prompt in PROMPTS:  # the transformers greedy answers pick the token
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        answer = target.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :]
+        seen = set(answer[:6].tolist())  # first occurrences after the first few tokens
+        firsts.update({t for t in answer[6:].tolist() if t not in seen})
+    eos = firsts.most_common(1)[0][0]
+    model = _eos_model(tmp_path, eos)
+
+    def run(spec):
+        llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512,
+                       max_num_seqs=4, max_num_batched_tokens=2048, speculative_config=spec,
+                       seed=0, gpu_memory_utilization=0.2)  # fmt: skip
+        try:
+            outs = llm.generate(PROMPTS, vllm.SamplingParams(temperature=0, max_tokens=64))
+            return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+    want = run(None)
+    stopped = [tokens for tokens, reason in want if reason == "stop"]
+    assert len(stopped) >= 2 and all(t[-1] == eos and eos not in t[:-1] for t in stopped)
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 64}
+    assert run(spec) == want

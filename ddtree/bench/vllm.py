@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree.vllm_plugin import plugin_env
+
 # Qwen3-8B's shapes, and a DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shapes (5 layers).
 QWEN3_8B = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
@@ -228,28 +230,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         axes[0, col].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def plugin_env() -> dict:
-    """The workers' environment: vLLM must find ddtree's plugin entry point. When ddtree runs
-    from a source tree (PYTHONPATH, not pip-installed) its metadata is written to a temp dir."""
-    import tempfile
-    from importlib.metadata import entry_points
-
-    env = dict(os.environ)
-    if any(ep.name == "ddtree" for ep in entry_points(group="vllm.general_plugins")):
-        return env
-    site = Path(tempfile.mkdtemp(prefix="ddtree-site-"))
-    info = site / "ddtree-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ddtree\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nddtree = ddtree.vllm_plugin.patches:register\n"
-    )
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(root),
-                                                    env.get("PYTHONPATH")) if p)  # fmt: skip
-    return env
 
 
 def drive(args) -> list[dict]:
