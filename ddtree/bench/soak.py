@@ -58,6 +58,18 @@ def stop_process_tree(proc: subprocess.Popen, timeout: float = 60) -> None:
     psutil.wait_procs(alive, timeout=10)
 
 
+def root_cause(log: str, limit: int = 4) -> str:
+    """The distinct exception lines of a server log, first first: vLLM's "Engine core
+    initialization failed" comes last, the worker's error behind it (e.g. no memory left for the
+    KV cache) further up, out of a short tail."""
+    found: list[str] = []
+    for line in log.splitlines():
+        match = re.search(r"\b[A-Z]\w*(?:Error|Exception): .*", line)
+        if match and " WARNING " not in line and match.group(0) not in found:
+            found.append(match.group(0))
+    return "".join(f"{line}\n" for line in found[:limit])
+
+
 class Server:
     """``ddtree serve`` on a free loopback port (``budget`` 0: no speculative decoding)."""
 
@@ -77,9 +89,10 @@ class Server:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 self.log.flush()
-                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+                text = Path(self.log.name).read_text(errors="replace")
                 raise RuntimeError(
-                    f"server exited with {self.proc.returncode} ({self.log.name}):\n{tail}"
+                    f"server exited with {self.proc.returncode} ({self.log.name}):\n"
+                    f"{root_cause(text)}...\n{text[-3000:]}"
                 )
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
