@@ -107,6 +107,8 @@ def _spec_counters(llm) -> dict:
         if metric.name.startswith("vllm:spec_decode"):
             value = getattr(metric, "value", None)
             found[metric.name] = value if value is not None else list(metric.values)
+        elif metric.name == "vllm:iteration_tokens_total":  # one observation per engine step
+            found["engine_steps"] = metric.count
     return found
 
 
@@ -135,6 +137,10 @@ def measure(llm, prompts, concurrency: int, temperature: float, max_tokens: int)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"concurrency": concurrency, "temperature": temperature, "tokens": tokens,
            "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+    steps = _delta(after, before, "engine_steps")
+    if steps:  # exact, whatever the number of requests running in each step
+        row["engine_steps"] = steps
+        row["ms_per_engine_step"] = round(1000 * seconds / steps, 3)
     drafts = _delta(after, before, "vllm:spec_decode_num_drafts")
     if drafts:
         accepted = _delta(after, before, "vllm:spec_decode_num_accepted_tokens")
