@@ -44,3 +44,23 @@ def test_generate_cli_needs_draft_for_ddtree(model_dirs):
     target_dir, _, _ = model_dirs
     with pytest.raises(SystemExit, match="needs --draft"):
         main(["generate", "--target", str(target_dir), "--prompt", "w1"])
+
+
+@pytest.mark.parametrize("with_tree", [True, False])
+def test_bench_plot_with_and_without_ddtree_rows(tmp_path, with_tree):
+    """`ddtree bench`'s plot: chain-only runs (e.g. the engine-settings comparison) plot too."""
+    from ddtree.bench.vllm import METHODS, plot
+
+    rows = [{"engine": name, "concurrency": c, "temperature": 0.0, "tokens_per_s": 100.0 + c,
+             "tau": 2.0, "ms_per_step": 5.0} for name in METHODS[:-1] for c in (1, 4)]  # fmt: skip
+    if with_tree:
+        tree = {"concurrency": 1, "temperature": 0.0, "tokens_per_s": 90.0, "tau": 3.0,
+                "ms_per_step": 7.0}  # fmt: skip
+        rows += [{"engine": f"ddtree-{b}", **tree} for b in (16, 64)]
+    plot(rows, tmp_path / "bench.png", "test")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_refuses_unknown_methods(tmp_path):
+    with pytest.raises(SystemExit, match="unknown method 'dflash-v3'"):
+        main(["bench", "--methods", "ar,dflash-v3", "--out", str(tmp_path)])

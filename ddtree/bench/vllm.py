@@ -53,9 +53,23 @@ def engine_names(methods: list[str], budgets: list[int]) -> list[str]:
     return names
 
 
+# vLLM's DFlash chain under other engine settings: (V1 runner, cudagraph_mode, async_scheduling);
+# None = vLLM's choice. "dflash" is what users get (V2 runner, FULL_AND_PIECEWISE, async on);
+# "dflash-v1-sync" is DDTree's own settings; the others split the gap between the two.
+CHAIN_SETTINGS = {
+    "dflash": (False, None, None),
+    "dflash-v1": (True, "PIECEWISE", None),  # async scheduling as vLLM decides: on
+    "dflash-v1-sync": (True, "PIECEWISE", False),
+    "dflash-v1-full": (True, None, False),  # V1 with vLLM's default graphs (FULL_AND_PIECEWISE)
+    "dflash-v1-full-async": (True, None, None),
+    "dflash-v2-sync": (False, None, False),
+}
+METHODS = ("ar", *CHAIN_SETTINGS, "ddtree")
+
+
 def engine_kwargs(name: str, args) -> dict:
-    """``vllm.LLM`` arguments of one engine: ``ar``, ``dflash`` (vLLM's default runner),
-    ``dflash-v1`` (the chain under DDTree's engine settings) or ``ddtree-<budget>``."""
+    """``vllm.LLM`` arguments of one engine: ``ar``, a DFlash chain (``CHAIN_SETTINGS``) or
+    ``ddtree-<budget>``."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -73,16 +87,19 @@ def engine_kwargs(name: str, args) -> dict:
         kw.update(enforce_eager=True, gpu_memory_utilization=0.1)
     if name == "ar":
         return kw
-    if name.startswith("dflash"):
+    if name in CHAIN_SETTINGS:
         spec = {"method": "dflash", "model": str(args.draft), "num_speculative_tokens": 15}
-        if name == "dflash-v1":
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-            if cuda:
-                kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+        v1, cudagraph_mode, async_scheduling = CHAIN_SETTINGS[name]
+        if v1:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # this engine's own process
+        if cuda and cudagraph_mode is not None:
+            kw["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
+        if async_scheduling is not None:
+            kw["async_scheduling"] = async_scheduling
     elif name.startswith("ddtree-"):
         spec = {"method": "ddtree", "model": str(args.draft), "ddtree_budget": int(name[7:])}
     else:
-        raise ValueError(f"unknown engine {name!r}: ar, dflash, dflash-v1 or ddtree-<budget>")
+        raise ValueError(f"unknown engine {name!r}: one of {METHODS[:-1]} or ddtree-<budget>")
     kw["speculative_config"] = spec
     return kw
 
@@ -215,7 +232,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                               color=line.get_color(), label=f"DDTree, c={concurrency}")  # fmt: skip
             axes[2, col].plot([b for b, _ in tree], [r["ms_per_step"] for _, r in tree], "o-",
                               color=line.get_color(), label=f"DDTree, c={concurrency}")  # fmt: skip
-            styles = {"dflash": "--", "dflash-v1": "-.", "ar": ":"}
+            styles = {"dflash": "--", "dflash-v1": "-.", "dflash-v1-sync": (0, (3, 1, 1, 1, 1, 1)),
+                      "dflash-v1-full": (0, (5, 1)), "dflash-v1-full-async": (0, (1, 3)),
+                      "dflash-v2-sync": (0, (8, 2, 2, 2)), "ar": ":"}  # fmt: skip
             for r, style in ((r, styles[r["engine"]]) for r in at if r["engine"] in styles):
                 axes[0, col].axhline(r["tokens_per_s"], ls=style, color=line.get_color(),
                                      label=f"{r['engine']}, c={concurrency}")  # fmt: skip
@@ -224,15 +243,18 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                 axes[2, col].axhline(r["ms_per_step"], ls=style, color=line.get_color())
         labels = ((0, "output tokens/s"), (1, "tau (mean acceptance length)"),
                   (2, "ms per step (verify + draft)"))  # fmt: skip
+        has_tree = any(r["engine"].startswith("ddtree-") for r in sub)  # log axes need points
         for row, label in labels:
             ax = axes[row, col]
-            ax.set_xscale("log", base=2)
+            if has_tree:
+                ax.set_xscale("log", base=2)
             ax.set_xlabel("DDTree budget B (tree nodes)")
             ax.set_ylabel(label)
             ax.set_title(f"{title}, T={temperature}")
             ax.grid(alpha=0.3)
-        axes[0, col].set_yscale("log")
-        axes[2, col].set_yscale("log")
+        if has_tree:
+            axes[0, col].set_yscale("log")
+            axes[2, col].set_yscale("log")
         axes[0, col].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -285,7 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dummy-shapes", choices=["qwen3-8b"], default=None,
                         help="random weights of these shapes (target + drafter)")  # fmt: skip
     parser.add_argument("--methods", default="ar,dflash,ddtree",
-                        help="comma-separated: ar, dflash, dflash-v1, ddtree")  # fmt: skip
+                        help=f"comma-separated: {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--budgets", default="16,32,64,128,255,511,1023")
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--temperatures", default="0,1")
@@ -312,8 +334,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
     methods = [m for m in args.methods.split(",") if m]
     for method in methods:
-        if method not in ("ar", "dflash", "dflash-v1", "ddtree"):
-            raise SystemExit(f"ddtree bench: unknown method {method!r} in --methods")
+        if method not in METHODS:
+            raise SystemExit(
+                f"ddtree bench: unknown method {method!r} in --methods (one of {METHODS})"
+            )
     args.engines = engine_names(methods, args.budgets)
     args.argv = list(argv)
     if args.engine is not None:
