@@ -1,6 +1,5 @@
 """`ddtree serve`: vLLM's OpenAI server with DDTree answers like the no-spec server."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -11,11 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ddtree.bench.soak import _free_port, stop_process_tree  # noqa: E402
 
 
 class Server:
@@ -42,8 +37,6 @@ class Server:
         self.model = self.client.models.list().data[0].id
 
     def stop(self):
-        from ddtree.bench.soak import stop_process_tree
-
         stop_process_tree(self.proc)  # by PID, engine processes included
 
 

@@ -190,7 +190,7 @@ def _patch_scheduler_init() -> None:
         if spec is not None and getattr(spec, "ddtree", None) is not None:
             # The drafter writes K/V for 1 + D queries after the accepted path; vLLM reserves
             # num_speculative_tokens + 1 = B + 1 slots, too few when B < D.
-            depth = (getattr(spec.draft_model_config.hf_config, "block_size", None) or 16) - 1
+            depth = runtime.draft_depth(spec)
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
 
     Scheduler.__init__ = scheduler_init
@@ -208,8 +208,7 @@ def _patch_speculative_config_max_num_new_slots_for_drafting() -> None:
         # max_num_batched_tokens, i.e. B - 1 with DDTree, but the drafter runs 1 + D queries
         # per request whatever B is. Reserving B - 1 left B=511 x 16 sequences 32 tokens per
         # step, and the scheduler cut every tree to a few nodes.
-        depth = (getattr(self.draft_model_config.hf_config, "block_size", None) or 16) - 1
-        return depth - 1 + int(self.uses_draft_model())
+        return runtime.draft_depth(self) - 1 + int(self.uses_draft_model())
 
     SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
 

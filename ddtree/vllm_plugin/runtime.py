@@ -455,19 +455,19 @@ def _commit_kv(runner, tb: TreeBatch, path: torch.Tensor) -> None:
     num_reqs, num_moves = path.shape
     padding = (graphs.bucket(num_reqs) - num_reqs) * num_moves
     tables = runner.input_batch.block_table.block_tables
-    if STATE.commit is None:
-        STATE.commit = _layer_commit(runner)
     moves = []
     for group in range(len(tables)):
         slots = tables[group].slot_mapping.gpu
         for rows in (src_rows, dst_rows):
             moves.append(torch.nn.functional.pad(slots[rows.flatten()], (0, padding)))
-    STATE.commit(*moves)
+    _layer_commit(runner)(*moves)
 
 
 def _layer_commit(runner) -> graphs.GraphCache:
     """``commit(src_0, dst_0, src_1, dst_1, ...)``: per KV group, cache slots ``src [M]`` ->
-    ``dst [M]`` in every target layer of the group."""
+    ``dst [M]`` in every target layer of the group (made once, kept in ``STATE.commit``)."""
+    if STATE.commit is not None:
+        return STATE.commit
     layers = []
     for group, _, layer in target_attention_layers(runner):
         kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
@@ -482,7 +482,8 @@ def _layer_commit(runner) -> graphs.GraphCache:
                 flash_tree_attention.copy_slots(kv_cache, src, dst)
 
     # Warm-up before capture: dst onto itself (moving twice would not be harmless).
-    return graphs.GraphCache(commit, warmup=lambda *m: [m[i | 1] for i in range(len(m))])
+    STATE.commit = graphs.GraphCache(commit, warmup=lambda *m: [m[i | 1] for i in range(len(m))])
+    return STATE.commit
 
 
 def target_attention_layers(runner):
@@ -498,6 +499,12 @@ def target_attention_layers(runner):
 # --- 1 and 5. the proposer ----------------------------------------------------------------------
 
 
+def draft_depth(spec) -> int:
+    """D: the positions the DFlash drafter of speculative config ``spec`` proposes per step
+    (its block size - 1; block size 16 when the checkpoint does not say)."""
+    return (getattr(spec.draft_model_config.hf_config, "block_size", None) or 16) - 1
+
+
 def make_proposer_class(base):
     """A DFlashProposer subclass that drafts D positions and returns a B-node tree."""
 
@@ -505,17 +512,17 @@ def make_proposer_class(base):
         def __init__(self, vllm_config, device, runner=None):
             spec = vllm_config.speculative_config
             options: DDTreeOptions = spec.ddtree
-            block = getattr(spec.draft_model_config.hf_config, "block_size", None) or 16
+            depth = draft_depth(spec)
             # The drafter runs 1 + D queries per request while vLLM schedules B tree nodes: its
             # query buffers are sized from num_speculative_tokens, so size them for max(B, D)
             # (B < D would overflow them) and give vLLM back B afterwards.
-            spec.num_speculative_tokens = max(options.budget, block - 1)
+            spec.num_speculative_tokens = max(options.budget, depth)
             try:
                 super().__init__(vllm_config, device, runner)
             finally:
                 spec.num_speculative_tokens = options.budget
             self.ddtree = options
-            self.draft_depth = block - 1
+            self.draft_depth = depth
             STATE.depth = self.draft_depth
             self._draft_logits = None
 
@@ -572,8 +579,7 @@ def capture_step_graphs(runner) -> None:
     depth = runner.drafter.draft_depth
     vocab = runner.model_config.get_vocab_size()
     device = runner.device
-    if STATE.commit is None:
-        STATE.commit = _layer_commit(runner)
+    commit = _layer_commit(runner)
     num_groups = len(runner.input_batch.block_table.block_tables)
     reqs = 1
     while True:
@@ -586,7 +592,7 @@ def capture_step_graphs(runner) -> None:
         )  # fmt: skip
         # Moves of slot 0 (vLLM's null block) onto itself: harmless.
         moves = torch.zeros(reqs * min(depth, budget), dtype=torch.long, device=device)
-        STATE.commit(*[moves] * (2 * num_groups))
+        commit(*[moves] * (2 * num_groups))
         if reqs >= runner.scheduler_config.max_num_seqs:
             break
         reqs *= 2
