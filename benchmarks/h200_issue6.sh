@@ -3,6 +3,8 @@
 #   bash benchmarks/h200_issue6.sh check   # CUDA unit tests + greedy equality vs no-spec (~6 min)
 #   bash benchmarks/h200_issue6.sh bench   # ddtree bench: bundled pair, then Qwen3-8B shapes (~8 min)
 #   bash benchmarks/h200_issue6.sh profile # DDTree's step-time split at Qwen3-8B shapes (~3 min)
+#   bash benchmarks/h200_issue6.sh costmodel # the chain under each engine setting (V1/V2, graphs,
+#                                          # async) and DDTree with the start-up cost model (~9 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ bench)
     --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   timeout 330 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,dflash-v1,ddtree \
-    --budgets 64,255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --budgets 255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
     --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
   tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
   ;;
@@ -33,6 +35,19 @@ profile)  # the step-time split (DDTREE_PROFILE) of DDTree at 8B shapes, the V1 
     --kv-cache-gib 2 --title "profile" --out /tmp/prof_8b > "$OUT/prof_8b.txt" 2>&1
   tar czf "$OUT/prof_8b.tgz" -C /tmp/prof_8b --exclude=models .
   grep -h "ddtree-profile" /tmp/prof_8b/*.log | tail -12
+  ;;
+costmodel)
+  timeout 330 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
+    --methods dflash,dflash-v1-sync,dflash-v1-full,dflash-v2-sync,ddtree \
+    --budgets 255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --title "Qwen3-8B shapes (dummy weights), H200: chain settings, DDTree + cost model" \
+    --out /tmp/cm_8b > "$OUT/cm_8b.txt" 2>&1
+  tar czf "$OUT/cm_8b.tgz" -C /tmp/cm_8b --exclude=models .
+  timeout 210 python3 -m ddtree.cli bench --methods dflash,dflash-v1-sync,ddtree \
+    --budgets 64,255,511 --concurrency 1,16 --temperatures 0,1 --max-tokens 128 \
+    --title "bundled pair, H200: DDTree + cost model" --out /tmp/cm_pair > "$OUT/cm_pair.txt" 2>&1
+  tar czf "$OUT/cm_pair.tgz" -C /tmp/cm_pair --exclude=models .
+  grep -h "ddtree step budgets" /tmp/cm_8b/*.log /tmp/cm_pair/*.log | cut -c1-400
   ;;
 esac
 ls -la "$OUT"

@@ -55,13 +55,20 @@ def no_spec():
 
 @pytest.mark.parametrize("budget, cap", [(1, None), (15, None), (64, None), (255, None),
                                          (255, 100)])  # fmt: skip
-def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap):
+def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, capfd):
     """``cap``: ddtree_max_verify_tokens; with 100 the step budget follows the batch: 4
-    requests -> 24 nodes each, 2 -> 49, 1 -> 99 (trees of changing width between steps)."""
+    requests -> 24 nodes each, 2 -> 49, 1 -> 99 (trees of changing width between steps).
+    That case also fits the start-up cost model (with a ratio that never binds)."""
     spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": budget,
             "ddtree_max_verify_tokens": cap}  # fmt: skip
+    if cap is not None:
+        spec["ddtree_max_verify_cost"] = 100.0
     llm = _engine(spec)
     try:
+        if cap is not None:
+            log = "".join(capfd.readouterr())  # vLLM logs to stdout
+            assert "ddtree step budgets (max verify cost 100.00x" in log, log[-3000:]
+            assert "1 req -> B 255, 2 req -> B 255, 4 req -> B 255;" in log
         assert _greedy(llm) == no_spec
         if budget == 64:  # sampling at T=1 runs and gives the requested lengths
             params = vllm.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=1,
@@ -82,6 +89,9 @@ def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap):
         ({"ddtree_budget": 64, "model": None}, "must name the DFlash drafter"),
         ({"ddtree_budget": 64, "ddtree_max_verify_tokens": 0}, "ddtree_max_verify_tokens must"),
         ({"ddtree_budget": 64, "ddtree_max_verify_tokens": 9.5}, "ddtree_max_verify_tokens must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_cost": 0.9}, "ddtree_max_verify_cost must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_cost": "1.1"}, "ddtree_max_verify_cost must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_cost": float("nan")}, "ddtree_max_verify_cost"),
     ],
 )
 def test_bad_config_is_refused(spec, message):
@@ -100,6 +110,10 @@ def test_default_verify_cap():
     assert parse_options({**base, "ddtree_budget": 1023})[1].max_verify_tokens == 1024
     off = {**base, "ddtree_budget": 64, "ddtree_max_verify_tokens": None}
     assert parse_options(off)[1].max_verify_tokens is None
+    # The cost model is off by default on the CPU; asked for, it replaces the default cap.
+    assert parse_options({**base, "ddtree_budget": 64})[1].max_verify_cost is None
+    costed = parse_options({**base, "ddtree_budget": 64, "ddtree_max_verify_cost": 1.2})[1]
+    assert (costed.max_verify_cost, costed.max_verify_tokens) == (1.2, None)
 
 
 def test_step_budget_follows_the_batch_but_keeps_the_chain():
@@ -110,6 +124,8 @@ def test_step_budget_follows_the_batch_but_keeps_the_chain():
     capped = DDTreeOptions(budget=255, max_verify_tokens=512)
     assert [capped.step_budget(n, 15) for n in (1, 2, 4, 16, 64)] == [255, 255, 127, 31, 15]
     assert DDTreeOptions(budget=8, max_verify_tokens=16).step_budget(32, 15) == 8
+    costed = DDTreeOptions(budget=255, max_verify_tokens=512, bucket_budgets={1: 127, 2: 255})
+    assert [costed.step_budget(n, 15) for n in (1, 2, 4)] == [127, 255, 127]
 
 
 def test_budget_above_batched_tokens_is_refused():

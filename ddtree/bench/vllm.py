@@ -97,7 +97,8 @@ def engine_kwargs(name: str, args) -> dict:
         if async_scheduling is not None:
             kw["async_scheduling"] = async_scheduling
     elif name.startswith("ddtree-"):
-        spec = {"method": "ddtree", "model": str(args.draft), "ddtree_budget": int(name[7:])}
+        spec = {"method": "ddtree", "model": str(args.draft), "ddtree_budget": int(name[7:]),
+                **args.ddtree_options}  # fmt: skip
     else:
         raise ValueError(f"unknown engine {name!r}: one of {METHODS[:-1]} or ddtree-<budget>")
     kw["speculative_config"] = spec
@@ -316,6 +317,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="per engine (GPU)")
+    parser.add_argument(
+        "--ddtree-options",
+        type=json.loads,
+        default={},
+        help="more ddtree keys as JSON, e.g. '{\"ddtree_max_verify_cost\": null}'",
+    )
     parser.add_argument("--title", default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # one worker
@@ -338,6 +345,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise SystemExit(
                 f"ddtree bench: unknown method {method!r} in --methods (one of {METHODS})"
             )
+    if not isinstance(args.ddtree_options, dict):
+        raise SystemExit("ddtree bench: --ddtree-options must be a JSON object")
     args.engines = engine_names(methods, args.budgets)
     args.argv = list(argv)
     if args.engine is not None:

@@ -6,6 +6,7 @@ Nothing changes for engines that do not ask for ``"method": "ddtree"``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from ddtree.vllm_plugin import runtime
@@ -16,6 +17,9 @@ MAX_BUDGET = 1024
 # verify forward of up to ~512 tokens costs about what a 16-token chain verify costs (issue 6's
 # figures); beyond it the forward grows with the tokens, so trees shrink as the batch grows.
 DEFAULT_MAX_VERIFY_TOKENS = 512
+# Default of ddtree_max_verify_cost on CUDA (the CPU: off): a step's verify forward may cost at
+# most this x the chain's, as measured at start-up (cost_model.py).
+DEFAULT_MAX_VERIFY_COST = 1.1
 _APPLIED = False
 
 
@@ -35,6 +39,7 @@ def register() -> None:
     _patch_speculative_config_max_num_new_slots_for_drafting()
     _patch_input_processor_validate_params()
     _patch_gpu_model_runner()
+    _patch_workers_warm_up()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -54,6 +59,7 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
     budget = spec.pop("ddtree_budget", None)
     chain_seed = spec.pop("ddtree_chain_seed", True)
     max_verify_tokens = spec.pop("ddtree_max_verify_tokens", "default")
+    max_verify_cost = spec.pop("ddtree_max_verify_cost", "default")
     if budget is None:
         budget = spec.get("num_speculative_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
@@ -63,8 +69,23 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
         )
     if not isinstance(chain_seed, bool):
         raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
+    if max_verify_cost == "default":
+        from vllm.platforms import current_platform
+
+        max_verify_cost = DEFAULT_MAX_VERIFY_COST if current_platform.is_cuda() else None
+    if max_verify_cost is not None and (
+        isinstance(max_verify_cost, bool)
+        or not isinstance(max_verify_cost, int | float)
+        or not max_verify_cost >= 1.0
+    ):
+        raise ValueError(
+            "ddtree_max_verify_cost must be a number >= 1.0 (a step's verify forward time over "
+            f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
+        )
     if max_verify_tokens == "default":
-        max_verify_tokens = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
+        # The cost model measures what the fixed cap guesses: with it, no cap by default.
+        cap = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
+        max_verify_tokens = cap if max_verify_cost is None else None
     if max_verify_tokens is not None and (
         isinstance(max_verify_tokens, bool)
         or not isinstance(max_verify_tokens, int)
@@ -78,7 +99,10 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
         raise ValueError("speculative_config.model must name the DFlash drafter for ddtree")
     spec["method"] = "dflash"
     spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
-    options = runtime.DDTreeOptions(budget, chain_seed, max_verify_tokens)
+    options = runtime.DDTreeOptions(
+        budget, chain_seed, max_verify_tokens,
+        None if max_verify_cost is None else float(max_verify_cost),
+    )  # fmt: skip
     return spec, options
 
 
@@ -327,6 +351,7 @@ def _patch_gpu_model_runner() -> None:
     def _capture_model(self, *args, **kwargs):
         result = capture_model(self, *args, **kwargs)
         if _ddtree_on(self):
+            runtime.fit_step_budgets(self)
             runtime.capture_step_graphs(self)
         return result
 
@@ -334,6 +359,29 @@ def _patch_gpu_model_runner() -> None:
     runner_cls._sample = _sample
     runner_cls.capture_model = _capture_model
     runner_cls._input_fits_in_drafter = _input_fits_in_drafter
+
+
+def _patch_workers_warm_up() -> None:
+    """The cost model is fitted at the end of the worker's warm-up where vLLM captures no
+    graphs (the CPU, ``enforce_eager``); with graphs it ran before DDTree's own capture."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    classes = [Worker]
+    with contextlib.suppress(ImportError):  # the CPU worker imports only on CPU builds
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        classes.append(CPUWorker)
+    for cls in classes:
+        warm_up = cls.compile_or_warm_up_model
+
+        @functools.wraps(warm_up)
+        def compile_or_warm_up_model(self, *args, _warm_up=warm_up, **kwargs):
+            result = _warm_up(self, *args, **kwargs)
+            if _ddtree_on(self.model_runner):
+                runtime.fit_step_budgets(self.model_runner)
+            return result
+
+        cls.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 def _refuse_unsupported(metadata) -> None:

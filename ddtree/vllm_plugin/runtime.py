@@ -28,7 +28,7 @@ import torch
 
 from ddtree.tree import DraftTree, draft_topk, tree_from_ranked
 from ddtree.verify import walk
-from ddtree.vllm_plugin import cpu_tree_attention, flash_tree_attention, graphs
+from ddtree.vllm_plugin import cost_model, cpu_tree_attention, flash_tree_attention, graphs
 from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
 
 
@@ -37,14 +37,19 @@ class DDTreeOptions:
     budget: int  # B: tree nodes per request and step (at most)
     chain_seed: bool = True
     max_verify_tokens: int | None = None  # cap on the step's tree tokens, all requests together
+    max_verify_cost: float | None = None  # verify forward time / the chain's, at most
+    bucket_budgets: dict[int, int] | None = None  # {request bucket: B_step}, from the cost model
 
     def step_budget(self, num_reqs: int, depth: int) -> int:
-        """This step's B: the budget, shrunk so that ``num_reqs * (1 + B)`` stays within
-        ``max_verify_tokens``, but never below the chain (``min(budget, D)`` nodes)."""
-        if self.max_verify_tokens is None:
-            return self.budget
-        fit = self.max_verify_tokens // max(num_reqs, 1) - 1
-        return max(min(self.budget, depth), min(self.budget, fit))
+        """This step's B for ``num_reqs`` requests (a bucket): the budget, shrunk so that
+        ``num_reqs * (1 + B)`` stays within ``max_verify_tokens`` and to the start-up cost
+        model's choice for the bucket, but never below the chain (``min(budget, D)`` nodes)."""
+        steps = self.budget
+        if self.max_verify_tokens is not None:
+            steps = min(steps, self.max_verify_tokens // max(num_reqs, 1) - 1)
+        if self.bucket_budgets:
+            steps = min(steps, self.bucket_budgets.get(num_reqs, steps))
+        return max(min(self.budget, depth), steps)
 
 
 def sync_checked(fn):
@@ -567,6 +572,18 @@ def make_proposer_class(base):
             return draft_tokens[:num_reqs].clone()
 
     return DDTreeProposer
+
+
+def fit_step_budgets(runner) -> None:
+    """Start-up, once, before DDTree's graphs: the cost model's step budget per request
+    bucket (``ddtree_max_verify_cost``; ``cost_model``)."""
+    options: DDTreeOptions = runner.speculative_config.ddtree
+    if options.max_verify_cost is None or options.bucket_budgets is not None:
+        return
+    depth = runner.drafter.draft_depth
+    options.bucket_budgets = cost_model.fit_step_budgets(
+        runner, options.budget, depth, options.max_verify_cost
+    )
 
 
 def capture_step_graphs(runner) -> None:

@@ -1,0 +1,109 @@
+"""Step budgets from the target's verify cost, measured once at start-up.
+
+A tree of B nodes makes every request of the step forward ``1 + B`` tokens instead of the
+chain's ``1 + D``. While the target's forward is bound by reading its weights that is nearly
+free; once it is bound by compute it is not. At start-up the plugin times the target's forward
+(vLLM's own ``_dummy_run``, graphs and attention included) and picks, per request bucket b, the
+largest step budget whose forward costs at most ``max_verify_cost`` times the chain's:
+
+    B_step(b) = max{B' in candidates : cost(b * (1 + B')) <= ratio * cost(b * (1 + D))}
+
+so a large batch falls back to the chain by itself and one request keeps its whole tree. The
+table is fixed before DDTree's graphs are captured; no step measures anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger("vllm.ddtree")  # under vLLM's log configuration
+
+
+def candidate_budgets(budget: int, depth: int) -> list[int]:
+    """Step budgets tried, largest first: B, then 2^k - 1 below it, down to the chain."""
+    chain = min(budget, depth)
+    steps = [budget]
+    k = budget.bit_length()
+    while (1 << k) - 1 > chain:
+        if (1 << k) - 1 < budget:
+            steps.append((1 << k) - 1)
+        k -= 1
+    if steps[-1] != chain:
+        steps.append(chain)
+    return steps
+
+
+def choose_step_budgets(
+    cost: Callable[[int], float],
+    buckets: list[int],
+    budget: int,
+    depth: int,
+    max_cost_ratio: float,
+    max_tokens: int,
+) -> dict[int, int]:
+    """``{bucket: B_step}``: per bucket the largest candidate whose forward of
+    ``bucket * (1 + B_step)`` tokens costs at most ``max_cost_ratio`` x the chain's and fits
+    in ``max_tokens``; never below the chain. ``cost(num_tokens)`` is in any time unit."""
+    chain = min(budget, depth)
+    table = {}
+    for b in buckets:
+        limit = max_cost_ratio * cost(b * (1 + chain))
+        table[b] = next(
+            (s for s in candidate_budgets(budget, depth)
+             if s == chain or (b * (1 + s) <= max_tokens and cost(b * (1 + s)) <= limit)),
+            chain,
+        )  # fmt: skip
+    return table
+
+
+def forward_seconds(runner, num_tokens: int, repeats: int = 3) -> float:
+    """Median wall time of the target's forward over ``num_tokens`` tokens (vLLM's dummy
+    batch: attention, graphs and padding as a real step of that size), drafter left out."""
+    drafter = getattr(runner, "drafter", None)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    if drafter is not None:
+        drafter.dummy_run = lambda *args, **kwargs: None  # instance attribute hides the method
+    try:
+        runner._dummy_run(num_tokens, force_attention=True, skip_eplb=True)  # warm
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            runner._dummy_run(num_tokens, force_attention=True, skip_eplb=True)
+            sync()
+            times.append(time.perf_counter() - start)
+    finally:
+        if drafter is not None:
+            del drafter.dummy_run
+    return statistics.median(times)
+
+
+def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> dict[int, int]:
+    """Measure the target's forward on ``runner`` and return ``{bucket: B_step}`` for every
+    power-of-two bucket up to ``max_num_seqs`` (logged as a table)."""
+    scheduler = runner.scheduler_config
+    max_reqs = scheduler.max_num_seqs
+    max_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
+    buckets = [1 << k for k in range((max_reqs - 1).bit_length() + 1)]
+    measured: dict[int, float] = {}
+
+    def cost(num_tokens: int) -> float:
+        if num_tokens not in measured:
+            measured[num_tokens] = forward_seconds(runner, min(num_tokens, max_tokens))
+        return measured[num_tokens]
+
+    start = time.perf_counter()
+    table = choose_step_budgets(cost, buckets, budget, depth, max_cost_ratio, max_tokens)
+    logger.info(
+        "ddtree step budgets (max verify cost %.2fx the chain's; measured in %.1f s): %s; "
+        "forward ms by tokens: %s",
+        max_cost_ratio, time.perf_counter() - start,
+        ", ".join(f"{b} req -> B {s}" for b, s in table.items()),
+        ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in sorted(measured.items())),
+    )  # fmt: skip
+    return table
