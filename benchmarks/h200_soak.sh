@@ -1,30 +1,43 @@
 #!/usr/bin/env bash
 # Issue 7 on the H200, after the gpu-kit install: `ddtree soak` against the bundled pair, a
-# DDTree server and a no-spec server side by side on the one GPU (40% of its memory each).
+# DDTree server and a no-spec server side by side on the one GPU, and at the same time the
+# control: the same soak with two no-spec servers (`--budget 0`), which shows how often bf16
+# greedy answers differ between two no-spec servers that batch requests differently. Each of the
+# four servers gets 20% of the GPU's memory.
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
 #   bash benchmarks/h200_soak.sh start SECONDS    # detached (setsid): outlives this call while
 #   bash benchmarks/h200_soak.sh wait [LIMIT]     # the machine stays warm; the next call waits
 #                                                 # (at most LIMIT s) and copies the results -> $OUT
-# Results: soak.txt (the tool's output), soak.tgz (soak.json, soak.png, server logs), gpu.txt.
+# Results: soak.txt / control.txt (the tools' output), soak.tgz / control.tgz (soak.json,
+# soak.png, server logs), gpu.txt.
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 WORK=/root/soak_run
 mkdir -p "$OUT" "$WORK"
-soak() {  # SECONDS: the soak itself, then its files into $WORK
+soak() {  # SECONDS: both soaks, then their files into $WORK
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt"
-  timeout $(( $1 + 240 )) python3 -m ddtree.cli soak --duration "$1" --clients 32 \
-    --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/soak -- --gpu-memory-utilization 0.4 \
-    > "$WORK/soak.txt" 2>&1
-  echo "soak exit: $?" >> "$WORK/soak.txt"
-  tar czf "$WORK/soak.tgz" -C /tmp/soak .
+  for run in soak control; do
+    budget=64; [ $run = control ] && budget=0
+    ( timeout $(( $1 + 240 )) python3 -m ddtree.cli soak --budget $budget --duration "$1" \
+        --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run \
+        -- --gpu-memory-utilization 0.2 > "$WORK/$run.txt" 2>&1
+      echo "soak exit: $?" >> "$WORK/$run.txt"
+      tar czf "$WORK/$run.tgz" -C /tmp/$run . ) &
+  done
+  wait
   touch "$WORK/done"
 }
-collect() { cp "$WORK"/gpu.txt "$WORK"/soak.txt "$WORK"/soak.tgz "$OUT"/ 2>/dev/null; tail -8 "$WORK/soak.txt"; }
+collect() {
+  cp "$WORK"/gpu.txt "$WORK"/soak.* "$WORK"/control.* "$OUT"/ 2>/dev/null
+  tail -4 "$WORK/soak.txt" "$WORK/control.txt"
+}
 case "$1" in
 start)
-  rm -f "$WORK/done"
-  setsid nohup bash "$0" run "${2:-600}" > "$WORK/driver.log" 2>&1 < /dev/null &
+  rm -rf "$WORK/done" /root/soak_src
+  cp -r "$PWD" /root/soak_src  # the next call's copy of the tree may replace this one
+  cd /root/soak_src
+  setsid nohup bash benchmarks/h200_soak.sh run "${2:-600}" > "$WORK/driver.log" 2>&1 < /dev/null &
   echo "soak started (pid $!)"
   ;;
 run) soak "${2:-600}" ;;

@@ -53,6 +53,19 @@ def no_spec():
         _close(llm)  # one engine at a time: each holds a share of the memory
 
 
+def test_vllm_dflash_chain_equals_no_spec(no_spec):
+    """The control: the bundled pair under vLLM's own DFlash chain (loads target, drafter and
+    tokenizer; greedy output equals no-spec, as it must for DDTree below)."""
+    assert vllm.__version__ == "0.26.0"
+    assert [len(t) for t, _ in no_spec[:2]] == [64, 40]
+    spec = {"method": "dflash", "model": str(MODELS / "drafter"), "num_speculative_tokens": 15}
+    llm = _engine(spec)
+    try:
+        assert _greedy(llm) == no_spec
+    finally:
+        _close(llm)
+
+
 @pytest.mark.parametrize("budget, cap", [(1, None), (15, None), (64, None), (255, None),
                                          (255, 100)])  # fmt: skip
 def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, capfd):
