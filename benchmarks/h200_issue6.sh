@@ -3,8 +3,9 @@
 #   bash benchmarks/h200_issue6.sh check   # CUDA unit tests + greedy equality vs no-spec (~6 min)
 #   bash benchmarks/h200_issue6.sh bench   # ddtree bench: bundled pair, then Qwen3-8B shapes (~8 min)
 #   bash benchmarks/h200_issue6.sh profile # DDTree's step-time split at Qwen3-8B shapes (~3 min)
-#   bash benchmarks/h200_issue6.sh costmodel # the chain under each engine setting (V1/V2, graphs,
-#                                          # async) and DDTree with the start-up cost model (~9 min)
+#   bash benchmarks/h200_issue6.sh costmodel # Qwen3-8B shapes: the chain under each engine setting
+#                                          # (V1/V2, graphs, async), DDTree + start-up cost model (~5 min)
+#   bash benchmarks/h200_issue6.sh costmodel-pair  # the same on the bundled pair (~3.5 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -43,11 +44,15 @@ costmodel)
     --title "Qwen3-8B shapes (dummy weights), H200: chain settings, DDTree + cost model" \
     --out /tmp/cm_8b > "$OUT/cm_8b.txt" 2>&1
   tar czf "$OUT/cm_8b.tgz" -C /tmp/cm_8b --exclude=models .
+  ;;&
+costmodel-pair)
   timeout 210 python3 -m ddtree.cli bench --methods dflash,dflash-v1-sync,ddtree \
     --budgets 64,255,511 --concurrency 1,16 --temperatures 0,1 --max-tokens 128 \
     --title "bundled pair, H200: DDTree + cost model" --out /tmp/cm_pair > "$OUT/cm_pair.txt" 2>&1
   tar czf "$OUT/cm_pair.tgz" -C /tmp/cm_pair --exclude=models .
-  grep -h "ddtree step budgets" /tmp/cm_8b/*.log /tmp/cm_pair/*.log | cut -c1-400
+  ;;&
+costmodel*)
+  grep -h "ddtree step budgets" /tmp/cm_*/*.log | cut -c1-600
   ;;
 esac
 ls -la "$OUT"
