@@ -21,7 +21,7 @@ soak() {  # SECONDS: both soaks, then their files into $WORK
     budget=64; [ $run = control ] && budget=0
     ( timeout $(( $1 + 240 )) python3 -m ddtree.cli soak --budget $budget --duration "$1" \
         --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run \
-        -- --gpu-memory-utilization 0.2 > "$WORK/$run.txt" 2>&1
+        -- --gpu-memory-utilization 0.2 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
       echo "soak exit: $?" >> "$WORK/$run.txt"
       tar czf "$WORK/$run.tgz" -C /tmp/$run . ) &
   done

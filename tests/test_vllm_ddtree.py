@@ -3,6 +3,8 @@
 Each engine start takes ~30 s on two cores, so the cases share engines where they can.
 """
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,3 +258,19 @@ def test_cuda_settings_defaults(monkeypatch):
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert args.async_scheduling is False
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_plugin_leaves_torch_cuda_alone_off_the_cpu():
+    """Importing vLLM's CPU worker swaps torch.cuda.Event / Stream for placeholders in the whole
+    process (it broke every CUDA engine once): off the CPU platform the plugin must not."""
+    code = (
+        "import sys, torch\n"
+        "from vllm.platforms import current_platform\n"
+        "current_platform.is_cpu = lambda: False\n"
+        "event = torch.cuda.Event\n"
+        "from ddtree.vllm_plugin import patches\n"
+        "patches._patch_workers_warm_up()\n"
+        "assert 'vllm.v1.worker.cpu_worker' not in sys.modules\n"
+        "assert torch.cuda.Event is event\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -6,7 +6,6 @@ Nothing changes for engines that do not ask for ``"method": "ddtree"``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 from ddtree.vllm_plugin import runtime
@@ -364,10 +363,13 @@ def _patch_gpu_model_runner() -> None:
 def _patch_workers_warm_up() -> None:
     """The cost model is fitted at the end of the worker's warm-up where vLLM captures no
     graphs (the CPU, ``enforce_eager``); with graphs it ran before DDTree's own capture."""
+    from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
 
     classes = [Worker]
-    with contextlib.suppress(ImportError):  # the CPU worker imports only on CPU builds
+    if current_platform.is_cpu():
+        # Only there: importing vLLM's CPU worker replaces torch.cuda.Event and Stream with
+        # placeholders for the whole process (vllm/v1/worker/cpu/shm.py), which breaks CUDA.
         from vllm.v1.worker.cpu_worker import CPUWorker
 
         classes.append(CPUWorker)
