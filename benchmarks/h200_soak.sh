@@ -3,7 +3,8 @@
 # DDTree server and a no-spec server side by side on the one GPU, and at the same time the
 # control: the same soak with two no-spec servers (`--budget 0`), which shows how often bf16
 # greedy answers differ between two no-spec servers that batch requests differently. Each of the
-# four servers gets 20% of the GPU's memory.
+# four servers gets an 8 GiB KV cache (a share of the memory via --gpu-memory-utilization fails when
+# four engines profile at once: each counts the others' memory as used).
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
 #   bash benchmarks/h200_soak.sh start SECONDS    # detached (setsid): outlives this call while
 #   bash benchmarks/h200_soak.sh wait [LIMIT]     # the machine stays warm; the next call waits
@@ -21,7 +22,7 @@ soak() {  # SECONDS: both soaks, then their files into $WORK
     budget=64; [ $run = control ] && budget=0
     ( timeout $(( $1 + 240 )) python3 -m ddtree.cli soak --budget $budget --duration "$1" \
         --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run \
-        -- --gpu-memory-utilization 0.2 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
+        -- --kv-cache-memory-bytes 8G ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
       echo "soak exit: $?" >> "$WORK/$run.txt"
       tar czf "$WORK/$run.tgz" -C /tmp/$run . ) &
   done

@@ -9,13 +9,15 @@ largest step budget whose forward costs at most ``max_verify_cost`` times the ch
     B_step(b) = max{B' in candidates : cost(b * (1 + B')) <= ratio * cost(b * (1 + D))}
 
 so a large batch falls back to the chain by itself and one request keeps its whole tree. The
-table is fixed before DDTree's graphs are captured; no step measures anything.
+table is fixed before DDTree's graphs are captured; no step measures anything. Opt-in
+(``ddtree_max_verify_cost``): on the H200 one engine (B=511, Qwen3-8B shapes) hit an illegal
+memory access inside the measuring dummy runs (B=255 ran); see README.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
@@ -61,9 +63,10 @@ def choose_step_budgets(
     return table
 
 
-def forward_seconds(runner, num_tokens: int, repeats: int = 3) -> float:
-    """Median wall time of the target's forward over ``num_tokens`` tokens (vLLM's dummy
-    batch: attention, graphs and padding as a real step of that size), drafter left out."""
+def forward_seconds(runner, num_tokens: int, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` timed forwards of the target over ``num_tokens`` tokens (vLLM's
+    dummy batch: attention, graphs and padding as a real step of that size; the drafter's
+    dummy run left out). The minimum, not the mean: host jitter only ever adds time."""
     drafter = getattr(runner, "drafter", None)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     if drafter is not None:
@@ -80,30 +83,35 @@ def forward_seconds(runner, num_tokens: int, repeats: int = 3) -> float:
     finally:
         if drafter is not None:
             del drafter.dummy_run
-    return statistics.median(times)
+    return min(times)
 
 
 def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> dict[int, int]:
-    """Measure the target's forward on ``runner`` and return ``{bucket: B_step}`` for every
+    """Measure the target's forward on ``runner`` at every token count the choice can ask
+    for, make the costs non-decreasing in the tokens (the running maximum: more tokens never
+    cost less; it also smooths timing noise), and return ``{bucket: B_step}`` for every
     power-of-two bucket up to ``max_num_seqs`` (logged as a table)."""
     scheduler = runner.scheduler_config
     max_reqs = scheduler.max_num_seqs
     max_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
     buckets = [1 << k for k in range((max_reqs - 1).bit_length() + 1)]
-    measured: dict[int, float] = {}
-
-    def cost(num_tokens: int) -> float:
-        if num_tokens not in measured:
-            measured[num_tokens] = forward_seconds(runner, min(num_tokens, max_tokens))
-        return measured[num_tokens]
-
+    chain = min(budget, depth)
+    counts = sorted({
+        min(b * (1 + s), max_tokens) for b in buckets for s in candidate_budgets(budget, depth)
+        if s == chain or b * (1 + s) <= max_tokens
+    })  # fmt: skip
     start = time.perf_counter()
-    table = choose_step_budgets(cost, buckets, budget, depth, max_cost_ratio, max_tokens)
+    measured = [forward_seconds(runner, n) for n in counts]
+    cost = dict(zip(counts, itertools.accumulate(measured, max), strict=True))
+    table = choose_step_budgets(
+        lambda n: cost[min(n, max_tokens)], buckets, budget, depth, max_cost_ratio, max_tokens
+    )
     logger.info(
         "ddtree step budgets (max verify cost %.2fx the chain's; measured in %.1f s): %s; "
-        "forward ms by tokens: %s",
+        "forward ms by tokens (measured / used): %s",
         max_cost_ratio, time.perf_counter() - start,
         ", ".join(f"{b} req -> B {s}" for b, s in table.items()),
-        ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in sorted(measured.items())),
+        ", ".join(f"{n}: {1e3 * t:.2f}/{1e3 * cost[n]:.2f}"
+                  for n, t in zip(counts, measured, strict=True)),
     )  # fmt: skip
     return table

@@ -16,9 +16,6 @@ MAX_BUDGET = 1024
 # verify forward of up to ~512 tokens costs about what a 16-token chain verify costs (issue 6's
 # figures); beyond it the forward grows with the tokens, so trees shrink as the batch grows.
 DEFAULT_MAX_VERIFY_TOKENS = 512
-# Default of ddtree_max_verify_cost on CUDA (the CPU: off): a step's verify forward may cost at
-# most this x the chain's, as measured at start-up (cost_model.py).
-DEFAULT_MAX_VERIFY_COST = 1.1
 _APPLIED = False
 
 
@@ -58,7 +55,7 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
     budget = spec.pop("ddtree_budget", None)
     chain_seed = spec.pop("ddtree_chain_seed", True)
     max_verify_tokens = spec.pop("ddtree_max_verify_tokens", "default")
-    max_verify_cost = spec.pop("ddtree_max_verify_cost", "default")
+    max_verify_cost = spec.pop("ddtree_max_verify_cost", None)  # opt-in (docs: README)
     if budget is None:
         budget = spec.get("num_speculative_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
@@ -68,10 +65,6 @@ def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
         )
     if not isinstance(chain_seed, bool):
         raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
-    if max_verify_cost == "default":
-        from vllm.platforms import current_platform
-
-        max_verify_cost = DEFAULT_MAX_VERIFY_COST if current_platform.is_cuda() else None
     if max_verify_cost is not None and (
         isinstance(max_verify_cost, bool)
         or not isinstance(max_verify_cost, int | float)
