@@ -11,11 +11,14 @@ largest step budget whose forward costs at most ``max_verify_cost`` times the ch
 so a large batch falls back to the chain by itself and one request keeps its whole tree. The
 table is fixed before DDTree's graphs are captured; no step measures anything. Opt-in
 (``ddtree_max_verify_cost``): on the H200 one engine (B=511, Qwen3-8B shapes) hit an illegal
-memory access inside the measuring dummy runs (B=255 ran); see README.
+memory access inside the measuring dummy runs (B=255 ran), very likely because those batches
+gave every request seq_len = num_tokens (up to 8192, past max_model_len and the block table's
+row); they now pass ``profile_seq_lens``. Not yet re-run on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -24,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger("vllm.ddtree")  # under vLLM's log configuration
+CONTEXT_TOKENS = 1024  # context per request in the timed batches, beside its new tokens
 
 
 def candidate_budgets(budget: int, depth: int) -> list[int]:
@@ -69,15 +73,25 @@ def forward_seconds(runner, num_tokens: int, repeats: int = 5) -> float:
     dummy run left out). The minimum, not the mean: host jitter only ever adds time."""
     drafter = getattr(runner, "drafter", None)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    # vLLM's dummy batch gives every request seq_len = num_tokens unless told otherwise: past
+    # max_model_len (and the block table's row) for large n. Give each request a context of
+    # its queries + CONTEXT_TOKENS, within max_model_len.
+    num_reqs = min(num_tokens, runner.scheduler_config.max_num_seqs)
+    queries = num_tokens // num_reqs + num_tokens % num_reqs  # the largest request's (vLLM's split)
+    seq_len = max(queries, min(runner.max_model_len, queries + CONTEXT_TOKENS))
+    run = functools.partial(
+        runner._dummy_run, num_tokens, force_attention=True, skip_eplb=True,
+        profile_seq_lens=seq_len,
+    )  # fmt: skip
     if drafter is not None:
         drafter.dummy_run = lambda *args, **kwargs: None  # instance attribute hides the method
     try:
-        runner._dummy_run(num_tokens, force_attention=True, skip_eplb=True)  # warm
+        run()  # warm
         times = []
         for _ in range(repeats):
             sync()
             start = time.perf_counter()
-            runner._dummy_run(num_tokens, force_attention=True, skip_eplb=True)
+            run()
             sync()
             times.append(time.perf_counter() - start)
     finally:
