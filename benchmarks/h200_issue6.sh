@@ -41,6 +41,7 @@ costmodel)
   timeout 330 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
     --methods dflash,dflash-v1-sync,dflash-v1-full,dflash-v2-sync,ddtree \
     --budgets 255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --ddtree-options '{"ddtree_max_verify_cost": 1.1}' \
     --title "Qwen3-8B shapes (dummy weights), H200: chain settings, DDTree + cost model" \
     --out /tmp/cm_8b > "$OUT/cm_8b.txt" 2>&1
   tar czf "$OUT/cm_8b.tgz" -C /tmp/cm_8b --exclude=models .
@@ -48,6 +49,7 @@ costmodel)
 costmodel-pair)
   timeout 210 python3 -m ddtree.cli bench --methods dflash,dflash-v1-sync,ddtree \
     --budgets 64,255,511 --concurrency 1,16 --temperatures 0,1 --max-tokens 128 \
+    --ddtree-options '{"ddtree_max_verify_cost": 1.1}' \
     --title "bundled pair, H200: DDTree + cost model" --out /tmp/cm_pair > "$OUT/cm_pair.txt" 2>&1
   tar czf "$OUT/cm_pair.tgz" -C /tmp/cm_pair --exclude=models .
   ;;&
