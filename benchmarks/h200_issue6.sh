@@ -26,7 +26,7 @@ bench)
     --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   timeout 330 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,dflash-v1,ddtree \
-    --budgets 255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --budgets 64,255,511 --concurrency 1,8,32 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
     --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
   tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
   ;;
