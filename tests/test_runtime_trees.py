@@ -31,9 +31,11 @@ def test_padding_tree_accepts_nothing():
 
 
 def test_buckets_are_powers_of_two():
-    from ddtree.vllm_plugin.graphs import bucket
+    from ddtree.vllm_plugin.graphs import bucket, buckets
 
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    # Start-up (graph capture, cost model) covers every bucket up to max_num_seqs.
+    assert buckets(1) == [1] and buckets(3) == [1, 2, 4] and buckets(32) == [1, 2, 4, 8, 16, 32]
 
 
 def test_proposal_is_the_tree_plus_a_padding_row():

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from ddtree.vllm_plugin import graphs
+
 logger = logging.getLogger("vllm.ddtree")  # under vLLM's log configuration
 CONTEXT_TOKENS = 1024  # context per request in the timed batches, beside its new tokens
 
@@ -106,9 +108,8 @@ def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> 
     cost less; it also smooths timing noise), and return ``{bucket: B_step}`` for every
     power-of-two bucket up to ``max_num_seqs`` (logged as a table)."""
     scheduler = runner.scheduler_config
-    max_reqs = scheduler.max_num_seqs
     max_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
-    buckets = [1 << k for k in range((max_reqs - 1).bit_length() + 1)]
+    buckets = graphs.buckets(scheduler.max_num_seqs)
     chain = min(budget, depth)
     counts = sorted({
         min(b * (1 + s), max_tokens) for b in buckets for s in candidate_budgets(budget, depth)

@@ -27,6 +27,11 @@ def bucket(num_reqs: int) -> int:
     return 1 << max(num_reqs - 1, 0).bit_length()
 
 
+def buckets(max_reqs: int) -> list[int]:
+    """Every bucket a step of up to ``max_reqs`` requests can fall in: 1, 2, 4, ..."""
+    return [1 << k for k in range(bucket(max_reqs).bit_length())]
+
+
 @contextlib.contextmanager
 def _sync_allowed():
     """Capture synchronizes by design; DDTREE_SYNC_DEBUG must not flag it."""

@@ -598,8 +598,7 @@ def capture_step_graphs(runner) -> None:
     device = runner.device
     commit = _layer_commit(runner)
     num_groups = len(runner.input_batch.block_table.block_tables)
-    reqs = 1
-    while True:
+    for reqs in graphs.buckets(runner.scheduler_config.max_num_seqs):
         budget = options.step_budget(reqs, depth)
         k = min(budget, vocab)
         PROPOSAL(
@@ -610,9 +609,6 @@ def capture_step_graphs(runner) -> None:
         # Moves of slot 0 (vLLM's null block) onto itself: harmless.
         moves = torch.zeros(reqs * min(depth, budget), dtype=torch.long, device=device)
         commit(*[moves] * (2 * num_groups))
-        if reqs >= runner.scheduler_config.max_num_seqs:
-            break
-        reqs *= 2
     STATE.proposal = None
 
 
