@@ -31,7 +31,7 @@ soak() {  # SECONDS: both soaks, then their files into $WORK
 }
 collect() {
   cp "$WORK"/gpu.txt "$WORK"/soak.* "$WORK"/control.* "$OUT"/ 2>/dev/null
-  tail -4 "$WORK/soak.txt" "$WORK/control.txt"
+  tail -n 4 "$WORK/soak.txt" "$WORK/control.txt"
 }
 case "$1" in
 start)
