@@ -4,7 +4,9 @@
 # control: the same soak with two no-spec servers (`--budget 0`), which shows how often bf16
 # greedy answers differ between two no-spec servers that batch requests differently. Each of the
 # four servers gets an 8 GiB KV cache (a share of the memory via --gpu-memory-utilization fails when
-# four engines profile at once: each counts the others' memory as used).
+# four engines profile at once: each counts the others' memory as used), and
+# --gpu-memory-utilization 0.15 (vLLM still checks at start-up that this share of the GPU is free).
+# SOAK_SLACK (default 240) s beyond SECONDS is what each soak gets for start-up and draining.
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
 #   bash benchmarks/h200_soak.sh start SECONDS    # detached (setsid): outlives this call while
 #   bash benchmarks/h200_soak.sh wait [LIMIT]     # the machine stays warm; the next call waits
@@ -20,9 +22,9 @@ soak() {  # SECONDS: both soaks, then their files into $WORK
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt"
   for run in soak control; do
     budget=64; [ $run = control ] && budget=0
-    ( timeout $(( $1 + 240 )) python3 -m ddtree.cli soak --budget $budget --duration "$1" \
+    ( timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget --duration "$1" \
         --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run \
-        -- --kv-cache-memory-bytes 8G ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
+        -- --kv-cache-memory-bytes 8G --gpu-memory-utilization 0.15 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
       echo "soak exit: $?" >> "$WORK/$run.txt"
       tar czf "$WORK/$run.tgz" -C /tmp/$run . ) &
   done
