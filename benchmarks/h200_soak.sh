@@ -7,6 +7,8 @@
 # four engines profile at once: each counts the others' memory as used), and
 # --gpu-memory-utilization 0.15 (vLLM still checks at start-up that this share of the GPU is free).
 # SOAK_SLACK (default 240) s beyond SECONDS is what each soak gets for start-up and draining.
+# SOAK_RUNS (default "soak control"): also "dflash", vLLM's own DFlash chain against no-spec.
+# SOAK_VLLM_ARGS: more vLLM arguments for every server.
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
 #   bash benchmarks/h200_soak.sh start SECONDS    # detached (setsid): outlives this call while
 #   bash benchmarks/h200_soak.sh wait [LIMIT]     # the machine stays warm; the next call waits
@@ -20,9 +22,12 @@ WORK=/root/soak_run
 mkdir -p "$OUT" "$WORK"
 soak() {  # SECONDS: both soaks, then their files into $WORK
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt"
-  for run in soak control; do
-    budget=64; [ $run = control ] && budget=0
-    ( timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget --duration "$1" \
+  for run in ${SOAK_RUNS:-soak control}; do
+    budget=64; method=ddtree
+    [ $run = control ] && budget=0
+    [ $run = dflash ] && method=dflash
+    ( timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget \
+        --method $method --duration "$1" \
         --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run \
         -- --kv-cache-memory-bytes 8G --gpu-memory-utilization 0.15 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
       echo "soak exit: $?" >> "$WORK/$run.txt"
@@ -32,8 +37,8 @@ soak() {  # SECONDS: both soaks, then their files into $WORK
   touch "$WORK/done"
 }
 collect() {
-  cp "$WORK"/gpu.txt "$WORK"/soak.* "$WORK"/control.* "$OUT"/ 2>/dev/null
-  tail -n 4 "$WORK/soak.txt" "$WORK/control.txt"
+  cp "$WORK"/gpu.txt "$WORK"/*.txt "$WORK"/*.tgz "$OUT"/ 2>/dev/null
+  for f in "$WORK"/*.txt; do tail -n 2 "$f"; done
 }
 case "$1" in
 start)

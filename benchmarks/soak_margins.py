@@ -8,7 +8,8 @@ two tokens that are not float32's top two and are counted apart. A lossless serv
 differ from no-spec only by bf16 rounding parts at near-ties and wins about half of them; a lossy
 one parts where no-spec's token is clearly ahead.
 
-    python benchmarks/soak_margins.py --soak RUN/soak.json --control CONTROL/soak.json --out DIR
+    python benchmarks/soak_margins.py --soak RUN/soak.json --control CONTROL/soak.json --out DIR \
+        [--run "LABEL=OTHER/soak.json" ...]
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     ax.set_ylabel("share of greedy mismatches")
     ax.set_title("Where the greedy answers part: float32 logit gap of the two choices")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -111,13 +112,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--soak", type=Path, required=True, help="soak.json of DDTree vs no-spec")
     parser.add_argument("--control", type=Path, help="soak.json of no-spec vs no-spec")
+    parser.add_argument("--run", action="append", default=[], metavar="LABEL=SOAK_JSON",
+                        help="more runs to score, each under its label (repeatable)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    inputs = [("DDTree vs no-spec", args.soak), ("no-spec vs no-spec", args.control)]
+    for item in args.run:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            parser.error(f"--run wants LABEL=SOAK_JSON, got {item!r}")
+        inputs.append((label, Path(path)))
     torch.set_num_threads(os.cpu_count() or 1)
     tok = AutoTokenizer.from_pretrained(TARGET)
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     runs, summary = {}, {}
-    for label, path in (("DDTree vs no-spec", args.soak), ("no-spec vs no-spec", args.control)):
+    for label, path in inputs:
         if path is None:
             continue
         soak = json.loads(path.read_text())

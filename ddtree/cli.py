@@ -150,7 +150,15 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     draft = args.draft or (None if args.model else str(MODELS / "drafter"))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
            "--host", args.host, "--port", str(args.port)]  # fmt: skip
-    if draft is not None and args.budget > 0:
+    method = getattr(args, "method", "ddtree")
+    if draft is not None and args.budget > 0 and method == "dflash":
+        # vLLM's own DFlash: the drafter's argmax chain, block_size - 1 tokens per step.
+        from ddtree.dflash import read_config, read_settings
+
+        block = read_settings(read_config(Path(draft) / "config.json")).block_size
+        spec = {"method": "dflash", "model": draft, "num_speculative_tokens": block - 1}
+        cmd += ["--speculative-config", json.dumps(spec), "--max-num-seqs", str(args.max_num_seqs)]
+    elif draft is not None and args.budget > 0:
         spec = {"method": "ddtree", "model": draft, "ddtree_budget": args.budget}
         cmd += ["--speculative-config", json.dumps(spec)]
         # Every running request may verify 1 + budget tokens in one step.
@@ -258,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", default=None, help="target model (default: models/target)")
     serve.add_argument("--draft", default=None, help="DFlash drafter (default: models/drafter)")
     serve.add_argument("--budget", type=int, default=64, help="tree nodes per step; 0: no spec")
+    serve.add_argument("--method", choices=("ddtree", "dflash"), default="ddtree",
+                       help="dflash: vLLM's own DFlash chain (a baseline)")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-num-seqs", type=int, default=8)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from ddtree.cli import main
@@ -64,3 +66,32 @@ def test_bench_plot_with_and_without_ddtree_rows(tmp_path, with_tree):
 def test_bench_refuses_unknown_methods(tmp_path):
     with pytest.raises(SystemExit, match="unknown method 'dflash-v3'"):
         main(["bench", "--methods", "ar,dflash-v3", "--out", str(tmp_path)])
+
+
+def _serve_args(**kw):
+    import argparse
+
+    base = {"model": None, "draft": None, "host": "127.0.0.1", "port": 8000, "budget": 64,
+            "max_num_seqs": 32, "method": "ddtree"}  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _spec(cmd: list[str]) -> dict | None:
+    if "--speculative-config" not in cmd:
+        return None
+    return json.loads(cmd[cmd.index("--speculative-config") + 1])
+
+
+def test_serve_command_methods(model_dirs):
+    from ddtree.cli import serve_command
+
+    target, drafter = (str(p) for p in model_dirs[:2])
+    tree = serve_command(_serve_args(model=target, draft=drafter), ["--seed", "0"])
+    assert _spec(tree) == {"method": "ddtree", "model": drafter, "ddtree_budget": 64}
+    assert tree[-2:] == ["--seed", "0"]  # the user's vLLM arguments come last
+    chain = serve_command(_serve_args(model=target, draft=drafter, method="dflash"), [])
+    block = json.loads((model_dirs[1] / "config.json").read_text())["block_size"]
+    assert _spec(chain) == {"method": "dflash", "model": drafter,
+                            "num_speculative_tokens": block - 1}  # fmt: skip
+    assert chain[chain.index("--max-num-seqs") + 1] == "32"
+    assert _spec(serve_command(_serve_args(model=target, draft=drafter, budget=0), [])) is None

@@ -73,11 +73,12 @@ def root_cause(log: str, limit: int = 4) -> str:
 class Server:
     """``ddtree serve`` on a free loopback port (``budget`` 0: no speculative decoding)."""
 
-    def __init__(self, budget: int, args, log: Path):
+    def __init__(self, budget: int, args, log: Path, method: str = "ddtree"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--budget", str(budget),
-               "--port", str(self.port), "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
+               "--method", method, "--port", str(self.port),
+               "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
         if args.model:
             cmd += ["--model", args.model] + (["--draft", args.draft] if args.draft else [])
         cmd += ["--", "--seed", "0", *args.vllm_args]
@@ -293,7 +294,9 @@ def plot(summary: dict, path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target (default: the bundled pair)")
     parser.add_argument("--draft", default=None, help="DFlash drafter (with --model)")
-    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=64, help="0: a no-spec server")
+    parser.add_argument("--method", choices=("ddtree", "dflash"), default="ddtree",
+                        help="dflash: soak vLLM's DFlash chain (a baseline)")  # fmt: skip
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
     parser.add_argument("--max-requests", type=int, default=None, help="default: no limit")
     parser.add_argument("--clients", type=int, default=32)
@@ -308,7 +311,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     args.vllm_args = vllm_args
     args.out.mkdir(parents=True, exist_ok=True)
-    servers = [Server(args.budget, args, args.out / "server_ddtree.log")]
+    servers = [Server(args.budget, args, args.out / "server_ddtree.log", args.method)]
     if args.compare:
         servers.append(Server(0, args, args.out / "server_nospec.log"))
     try:
