@@ -56,6 +56,22 @@ def no_spec():
         _close(llm)  # one engine at a time: each holds a share of the memory
 
 
+def _sampled(llm):
+    params = vllm.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=1,
+                                 ignore_eos=True)  # fmt: skip
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def ddtree_64():
+    """DDTree B=64 at TP=1: (greedy outputs, seeded T=1 samples)."""
+    llm = _engine({"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 64})
+    try:
+        return _greedy(llm), _sampled(llm)
+    finally:
+        _close(llm)
+
+
 def test_vllm_dflash_chain_equals_no_spec(no_spec):
     """The control: the bundled pair under vLLM's own DFlash chain (loads target, drafter and
     tokenizer; greedy output equals no-spec, as it must for DDTree below)."""
@@ -71,10 +87,15 @@ def test_vllm_dflash_chain_equals_no_spec(no_spec):
 
 @pytest.mark.parametrize("budget, cap", [(1, None), (15, None), (64, None), (255, None),
                                          (255, 100)])  # fmt: skip
-def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, capfd):
+def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, capfd, request):
     """``cap``: ddtree_max_verify_tokens; with 100 the step budget follows the batch: 4
     requests -> 24 nodes each, 2 -> 49, 1 -> 99 (trees of changing width between steps).
     That case also fits the start-up cost model (with a ratio that never binds)."""
+    if budget == 64:  # the engine is shared with the tensor-parallel test
+        greedy, sampled = request.getfixturevalue("ddtree_64")
+        assert greedy == no_spec
+        assert all(len(tokens) == 30 for tokens in sampled)  # T=1 runs, requested lengths
+        return
     spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": budget,
             "ddtree_max_verify_tokens": cap}  # fmt: skip
     if cap is not None:
@@ -86,11 +107,6 @@ def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, capfd):
             assert "ddtree step budgets (max verify cost 100.00x" in log, log[-3000:]
             assert "1 req -> B 255, 2 req -> B 255, 4 req -> B 255;" in log
         assert _greedy(llm) == no_spec
-        if budget == 64:  # sampling at T=1 runs and gives the requested lengths
-            params = vllm.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=1,
-                                         ignore_eos=True)  # fmt: skip
-            outs = llm.generate(PROMPTS, params)
-            assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
     finally:
         _close(llm)
 
@@ -101,11 +117,12 @@ def _spec_counts(llm) -> dict[str, float]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs two CPU cores")
-def test_tensor_parallel_ddtree_equals_no_spec(no_spec, monkeypatch):
+def test_tensor_parallel_ddtree_equals_no_spec(no_spec, ddtree_64, monkeypatch):
     """Issue 8 on the CPU build: DDTree at tensor_parallel_size=2 (two worker processes, the
     target's heads and MLP split between them, vocabulary-parallel head gathered) gives
-    no-spec's TP=1 greedy tokens. Every rank builds and walks its own tree from the gathered
-    logits; a rank that built another tree would verify other tokens and part from no-spec."""
+    no-spec's TP=1 greedy tokens, and with seeded sampling TP=1's DDTree tokens. Every rank
+    builds and walks its own tree from the gathered logits and its own seeded draws; a rank
+    that built another tree or drew otherwise would verify other tokens and part."""
     cores = sorted(os.sched_getaffinity(0))[:2]
     # vLLM's CPU workers bind one NUMA node each unless told which cores to take.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
@@ -114,6 +131,7 @@ def test_tensor_parallel_ddtree_equals_no_spec(no_spec, monkeypatch):
                   disable_log_stats=False)  # fmt: skip
     try:
         assert _greedy(llm) == no_spec
+        assert _sampled(llm) == ddtree_64[1]
         counts = _spec_counts(llm)
         assert counts["num_drafts"] > 0 and counts["num_accepted_tokens"] > counts["num_drafts"]
     finally:
