@@ -13,14 +13,14 @@
 #   bash benchmarks/h200_soak.sh start SECONDS    # detached (setsid): outlives this call while
 #   bash benchmarks/h200_soak.sh wait [LIMIT]     # the machine stays warm; the next call waits
 #                                                 # (at most LIMIT s) and copies the results -> $OUT
-# Results: soak.txt / control.txt (the tools' output), soak.tgz / control.tgz (soak.json,
-# soak.png, server logs), gpu.txt.
+# Results per run (soak, control, dflash): RUN.txt (the tool's output), RUN.tgz (soak.json,
+# soak.png, server logs); gpu.txt.
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 WORK=/root/soak_run
 mkdir -p "$OUT" "$WORK"
-soak() {  # SECONDS: both soaks, then their files into $WORK
+soak() {  # SECONDS: the SOAK_RUNS soaks side by side, then their files into $WORK
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt"
   for run in ${SOAK_RUNS:-soak control}; do
     budget=64; method=ddtree

@@ -150,8 +150,7 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     draft = args.draft or (None if args.model else str(MODELS / "drafter"))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
            "--host", args.host, "--port", str(args.port)]  # fmt: skip
-    method = getattr(args, "method", "ddtree")
-    if draft is not None and args.budget > 0 and method == "dflash":
+    if draft is not None and args.budget > 0 and args.method == "dflash":
         # vLLM's own DFlash: the drafter's argmax chain, block_size - 1 tokens per step.
         from ddtree.dflash import read_config, read_settings
 
