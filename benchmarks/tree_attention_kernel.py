@@ -12,7 +12,7 @@ import time
 import torch
 
 import ddtree
-from ddtree.vllm_plugin.triton_tree_attention import tree_attention
+from ddtree.vllm_plugin.attention.triton_kernel import tree_attention
 
 HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 

@@ -1,10 +1,11 @@
-"""Greedy DDTree inside vLLM 0.26 on the GPU vs no-spec vLLM, token for token (issue 5).
+"""Greedy DDTree inside vLLM 0.26 on the GPU vs no-spec vLLM, token for token.
 
-V1 model runner, FLASH_ATTN, CUDA graphs on (piecewise for DDTree; vLLM's default for
-no-spec), bfloat16. Cases: the bundled pair (held-out prompts) and a random Qwen3 target with a
-random DFlash drafter (random token prompts); a mixed batch of 8 requests per case (prompt
-lengths, max_tokens and stop tokens differ). Every engine is its own process and they run side
-by side on the one GPU (each with a fixed 1 GiB KV cache, so no memory profiling races).
+vLLM's defaults (V2 model runner, full CUDA graphs of the verify step, async scheduling,
+FLASH_ATTN) unless a case says otherwise, bfloat16. Cases: the bundled pair (held-out prompts)
+and a random Qwen3 target with a random DFlash drafter (random token prompts); a mixed batch of
+8 requests per case (prompt lengths, max_tokens and stop tokens differ, so prefills share steps
+with tree verifies). Every engine is its own process and they run side by side on the one GPU
+(each with a fixed 1 GiB KV cache, so no memory profiling races).
 
     python benchmarks/vllm_gpu_equality.py --out DIR        # all cases, then the comparison
     python benchmarks/vllm_gpu_equality.py --case pair_ddtree_64 --out DIR   # one engine
@@ -24,14 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (1, 15, 64, 255, 511)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
-    "pair_ddtreemerge_255", "pair_ddtreemerge_511", "pair_ddtreesync_64", "random_nospec",
+    "pair_ddtreetriton_64", "pair_ddtreesync_64", "pair_ddtreev1_64", "random_nospec",
     "random_dflash", "random_ddtree_15", "random_ddtree_64",
 ]  # fmt: skip
-# dflash: vLLM's own chain under DDTree's engine settings, the control for the numerics of a
-# verify forward. ddtree: the default tree attention (the Triton kernel on the GPU);
-# ddtreemerge: DDTREE_TREE_ATTENTION=merge (FlashAttention + dense part, merged by LSE).
+# dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
+# ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
+# ddtreetriton: with attention_backend TRITON_ATTN (the backend of GPUs without FA3);
 # ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
-# code; the log lists every sync it made).
+# code; the log lists every sync it made); ddtreev1: the V1 runner fallback
+# (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 
@@ -85,19 +87,17 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     target, drafter = _models(kind, out)
     spec = None
     extra = {}
-    if method == "dflash":  # under DDTree's engine settings: V1 runner, piecewise graphs
-        import os
-
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if method == "dflash":
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
-        extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     elif method != "nospec":
         import os
 
         if method.startswith("ddtreesync_"):
             os.environ["DDTREE_SYNC_DEBUG"] = "warn"
-        if method.startswith("ddtreemerge_"):
-            os.environ["DDTREE_TREE_ATTENTION"] = "merge"
+        if method.startswith("ddtreetriton_"):
+            extra["attention_backend"] = "TRITON_ATTN"
+        if method.startswith("ddtreev1_"):
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         budget = int(method.split("_")[-1])
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
     t0 = time.time()

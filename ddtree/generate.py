@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ddtree.dflash import DFlashDraftModel, check_pair
+from ddtree.sampling import process_logits
 from ddtree.tree import DraftTree, build_tree, chain_tree
 from ddtree.verify import walk
 
@@ -58,18 +59,8 @@ class Sampling:
         """One token per row of ``logits [n, V]``: argmax at T=0, else a processed sample."""
         if self.temperature == 0:
             return logits.argmax(-1)
-        logits = logits.float() / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            sorted_logits, order = logits.sort(-1, descending=True)
-            probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs >= self.top_p  # keeps the token that crosses top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = logits.softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        processed = process_logits(logits, self.temperature, self.top_k, self.top_p)
+        return torch.multinomial(processed.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 def _target_forward(target, tokens, positions, cache, tree_mask, feature_layers):

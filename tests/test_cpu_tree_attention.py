@@ -7,12 +7,12 @@ pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
 
 import ddtree  # noqa: E402
-from ddtree.vllm_plugin.cpu_tree_attention import (  # noqa: E402
+from ddtree.vllm_plugin.attention.cpu import (  # noqa: E402
     copy_slots,
     prefix_attention,
     read_paged_kv,
 )
-from ddtree.vllm_plugin.tree_attention import merge, suffix_attention  # noqa: E402
+from ddtree.vllm_plugin.attention.merge import merge, suffix_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD = 4, 2, 64
 
@@ -159,7 +159,7 @@ def test_copy_slots_moves_the_accepted_path(isa, block_size):
 
 
 def test_amx_layout_is_refused():
-    from ddtree.vllm_plugin.cpu_tree_attention import check_isa
+    from ddtree.vllm_plugin.attention.cpu import check_isa
 
     with pytest.raises(NotImplementedError, match="use dtype float32"):
         check_isa("amx")

@@ -9,9 +9,9 @@ view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
 import pytest
 import torch
 
-from ddtree.vllm_plugin.cpu_tree_attention import prefix_attention
-from ddtree.vllm_plugin.flash_tree_attention import copy_slots, read_paged_kv
-from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
+from ddtree.vllm_plugin.attention.cpu import prefix_attention
+from ddtree.vllm_plugin.attention.flash import copy_slots, read_paged_kv
+from ddtree.vllm_plugin.attention.merge import merge, suffix_attention
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 16, 16
 

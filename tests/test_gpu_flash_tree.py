@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.vllm_plugin import cpu_tree_attention, flash_tree_attention
-from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
+from ddtree.vllm_plugin.attention import cpu as cpu_tree_attention
+from ddtree.vllm_plugin.attention import flash as flash_tree_attention
+from ddtree.vllm_plugin.attention.merge import merge, suffix_attention
 
 pytestmark = pytest.mark.gpu
 HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
@@ -73,7 +74,7 @@ def test_suffix_and_merge_do_not_sync():
 
 
 def test_triton_kernel_matches_merged_path_in_bf16():
-    from ddtree.vllm_plugin import triton_tree_attention
+    from ddtree.vllm_plugin.attention import triton_kernel as triton_tree_attention
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     num_slots, contexts, counts = 65, [700, 37], [65, 30]

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from ddtree.tree import draft_topk
-from ddtree.vllm_plugin import flash_tree_attention, graphs, runtime
-from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
+from ddtree.vllm_plugin import graphs
+from ddtree.vllm_plugin.attention import flash as flash_tree_attention
+from ddtree.vllm_plugin.attention.merge import merge, suffix_attention
+from ddtree.vllm_plugin.v1 import propose
 
 pytestmark = pytest.mark.gpu
 FIELDS = ("tokens", "parents", "depths", "mask", "scores", "ancestors", "num_nodes")
@@ -21,12 +23,12 @@ def _ranked(batch: int, budget: int, vocab: int = 5000, seed: int = 0):
 
 
 def test_proposal_graph_matches_eager_across_buckets():
-    cache = graphs.GraphCache(runtime._proposal)
+    cache = graphs.GraphCache(propose.proposal)
     kept = {}
     for seed, (batch, budget) in enumerate([(1, 511), (4, 127), (1, 511), (4, 127), (2, 255)]):
         logprobs, token_ids = _ranked(batch, budget, seed=seed)
         got, tokens = cache(logprobs, token_ids, budget=budget, chain_seed=True)
-        want, want_tokens = runtime._proposal(logprobs, token_ids, budget=budget, chain_seed=True)
+        want, want_tokens = propose.proposal(logprobs, token_ids, budget=budget, chain_seed=True)
         for name in FIELDS:
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert torch.equal(tokens, want_tokens)
@@ -81,7 +83,7 @@ def test_tree_attention_at_512_slots_matches_reference(kernel):
     context = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     output = torch.zeros_like(query)
     if kernel == "triton":
-        from ddtree.vllm_plugin import triton_tree_attention
+        from ddtree.vllm_plugin.attention import triton_kernel as triton_tree_attention
 
         triton_tree_attention.tree_attention(
             query, key, value, kv_cache, output, rows,
@@ -112,7 +114,7 @@ def test_tree_attention_at_512_slots_matches_reference(kernel):
 
 
 def _reference(query, keys, values, scale):
-    from ddtree.vllm_plugin.tree_attention import attend_with_lse
+    from ddtree.vllm_plugin.attention.merge import attend_with_lse
 
     out, lse = attend_with_lse(query[None], keys, values, scale)
     return out[0], lse[0]

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ddtree
-from ddtree.vllm_plugin.runtime import pad_tree, padding_tree
+from ddtree.vllm_plugin.state import pad_tree, padding_tree
 
 
 @given(seed=st.integers(0, 2**16), budget=st.integers(1, 40), extra=st.integers(1, 20))
@@ -42,12 +42,12 @@ def test_proposal_is_the_tree_plus_a_padding_row():
     """The proposer's tree stage (graphed on the GPU, eager here) from padded ranked tokens:
     the rows of the real requests equal build_tree, one padding row follows."""
     from ddtree.tree import draft_topk
-    from ddtree.vllm_plugin import runtime
+    from ddtree.vllm_plugin.v1.propose import proposal as make_proposal
 
     logits = torch.randn(3, 15, 300, generator=torch.Generator().manual_seed(0)) * 3
     logprobs, token_ids = draft_topk(logits, 40)
     pad = (0, 0, 0, 0, 0, 1)  # 3 requests -> bucket 4
-    proposal, drafts = runtime.PROPOSAL(
+    proposal, drafts = make_proposal(
         torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(token_ids, pad),
         budget=40, chain_seed=True,
     )  # fmt: skip

@@ -1,8 +1,5 @@
 """`ddtree serve`: vLLM's OpenAI server with DDTree answers like the no-spec server."""
 
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -10,41 +7,19 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from ddtree.bench.soak import _free_port, stop_process_tree  # noqa: E402
 
-
-class Server:
-    def __init__(self, budget: int):
-        self.port = _free_port()
-        cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--budget", str(budget),
-               "--port", str(self.port), "--max-num-seqs", "4", "--", "--seed", "0",
-               "--enforce-eager"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.proc.stderr.read().decode()[-3000:])
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(2)
-        else:
-            self.stop()
-            raise TimeoutError("server did not start in 300 s")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none")
-        self.model = self.client.models.list().data[0].id
-
-    def stop(self):
-        stop_process_tree(self.proc)  # by PID, engine processes included
+def _client(server):
+    """An OpenAI client of a ``ddtree.bench.soak.Server`` and its served model name."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    return client, client.models.list().data[0].id
 
 
 def _chats(server):
     """A streamed chat completion with a stop string, and a plain one; text, reason, usage."""
+    client, model = _client(server)
     out = []
-    stream = server.client.chat.completions.create(
-        model=server.model, messages=[{"role": "user", "content": "def quicksort(items):"}],
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "def quicksort(items):"}],
         max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True},
         stop=["return"],
     )  # fmt: skip
@@ -56,8 +31,8 @@ def _chats(server):
         if chunk.usage:
             usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
     out.append((text, reason, usage))
-    done = server.client.chat.completions.create(
-        model=server.model, messages=[{"role": "user", "content": "class Stack:"}],
+    done = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "class Stack:"}],
         max_tokens=40, temperature=0,
     )  # fmt: skip
     c = done.choices[0]
@@ -66,20 +41,13 @@ def _chats(server):
     return out
 
 
-def test_server_ddtree_answers_like_no_spec():
-    plain = Server(budget=0)
-    try:
-        want = _chats(plain)
-    finally:
-        plain.stop()
-    tree = Server(budget=64)
-    try:
-        got = _chats(tree)
-        metrics = urllib.request.urlopen(tree.url + "/metrics").read().decode()
-        refused = _unsupported_requests(tree)
-        again = _chats(tree)  # the server lives on after the refusals
-    finally:
-        tree.stop()
+def test_server_ddtree_answers_like_no_spec(servers):
+    tree, plain = servers
+    want = _chats(plain)
+    got = _chats(tree)
+    metrics = urllib.request.urlopen(tree.url + "/metrics").read().decode()
+    refused = _unsupported_requests(tree)
+    again = _chats(tree)  # the server lives on after the refusals
     assert got == want and again == want
     for kwargs, message in refused:
         assert message is not None, f"{kwargs} was not refused"
@@ -108,11 +76,12 @@ UNSUPPORTED = [
 
 def _unsupported_requests(server):
     """Each unsupported per-request option: (kwargs, the 400's message or None if served)."""
+    client, model = _client(server)
     out = []
     for kwargs in UNSUPPORTED:
         try:
-            server.client.chat.completions.create(
-                model=server.model, messages=[{"role": "user", "content": "x = "}],
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "x = "}],
                 max_tokens=4, temperature=1.0, **kwargs,  # T=0 would reset min_p
             )  # fmt: skip
             out.append((kwargs, None))

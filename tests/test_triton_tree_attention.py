@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.vllm_plugin.cpu_tree_attention import prefix_attention
-from ddtree.vllm_plugin.flash_tree_attention import read_paged_kv
-from ddtree.vllm_plugin.tree_attention import merge, suffix_attention
+from ddtree.vllm_plugin.attention.cpu import prefix_attention
+from ddtree.vllm_plugin.attention.flash import read_paged_kv
+from ddtree.vllm_plugin.attention.merge import merge, suffix_attention
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 16, 16
 
@@ -27,7 +27,7 @@ def test_kernel_equals_the_merged_path():
 
 
 def check():
-    from ddtree.vllm_plugin import triton_tree_attention as kernel_module
+    from ddtree.vllm_plugin.attention import triton_kernel as kernel_module
 
     gen = torch.Generator().manual_seed(0)
     num_slots = 20

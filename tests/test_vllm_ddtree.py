@@ -1,59 +1,32 @@
 """DDTree inside vLLM 0.26 (CPU build, V1 runner): lossless greedy, sampling runs, config errors.
 
-Each engine start takes ~30 s on two cores, so the cases share engines where they can.
+Engines run in this process (``engines.engine``: seconds to start); the cases share them
+where they can.
 """
 
+import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
-PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Foo:\n    def __init__(self", "x = [", "#"]
+from engines import (  # noqa: E402
+    MODELS,
+    PROMPTS,
+    assert_same_distribution,
+    ddtree_spec,
+    engine,
+    greedy,
+    token_counts,
+)
 
-
-def _engine(spec, **kw):
-    return vllm.LLM(
-        model=str(MODELS / "target"),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        max_num_seqs=4,
-        max_num_batched_tokens=2048,
-        speculative_config=spec,
-        seed=0,
-        gpu_memory_utilization=0.2,  # on the CPU: the share of memory for the KV cache
-        **kw,
-    )
-
-
-def _greedy(llm):
-    # Mixed requests: prompt lengths, max_tokens and a stop token differ.
-    params = [
-        vllm.SamplingParams(temperature=0, max_tokens=64),
-        vllm.SamplingParams(temperature=0, max_tokens=40),
-        vllm.SamplingParams(temperature=0, max_tokens=17, stop_token_ids=[6]),
-        vllm.SamplingParams(temperature=0, max_tokens=5),
-    ]
-    outs = llm.generate(PROMPTS, params)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
-
-
-def _close(llm):
-    llm.llm_engine.engine_core.shutdown()
-
-
-@pytest.fixture(scope="module")
-def no_spec():
-    llm = _engine(None)
-    try:
-        return _greedy(llm)
-    finally:
-        _close(llm)  # one engine at a time: each holds a share of the memory
+# T=1 distribution checks: generated token 2 of this prompt (sampled at a tree node whenever
+# token 1 was accepted from the tree), nucleus 0.95 so the support stays small.
+SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES = PROMPTS[0], 2, 240
+VOCAB = 8192
 
 
 def _sampled(llm):
@@ -62,53 +35,66 @@ def _sampled(llm):
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
 
 
+def _counts(llm):
+    return token_counts(llm, SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES, VOCAB, temperature=1.0,
+                        top_p=0.95)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def no_spec():
+    """No-spec TP=1: (greedy outputs, T=1 token counts)."""
+    with engine() as llm:
+        return greedy(llm), _counts(llm)
+
+
 @pytest.fixture(scope="module")
 def ddtree_64():
     """DDTree B=64 at TP=1: (greedy outputs, seeded T=1 samples)."""
-    llm = _engine({"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 64})
-    try:
-        return _greedy(llm), _sampled(llm)
-    finally:
-        _close(llm)
+    with engine(spec=ddtree_spec(64)) as llm:
+        return greedy(llm), _sampled(llm)
 
 
 def test_vllm_dflash_chain_equals_no_spec(no_spec):
     """The control: the bundled pair under vLLM's own DFlash chain (loads target, drafter and
     tokenizer; greedy output equals no-spec, as it must for DDTree below)."""
     assert vllm.__version__ == "0.26.0"
-    assert [len(t) for t, _ in no_spec[:2]] == [64, 40]
+    assert [len(t) for t, _ in no_spec[0][:2]] == [64, 40]
     spec = {"method": "dflash", "model": str(MODELS / "drafter"), "num_speculative_tokens": 15}
-    llm = _engine(spec)
-    try:
-        assert _greedy(llm) == no_spec
-    finally:
-        _close(llm)
+    with engine(spec=spec) as llm:
+        assert greedy(llm) == no_spec[0]
 
 
-@pytest.mark.parametrize("budget, cap", [(1, None), (15, None), (64, None), (255, None),
-                                         (255, 100)])  # fmt: skip
-def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, capfd, request):
+@pytest.mark.parametrize("budget, cap", [(1, None), (64, None), (255, 100)])
+def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, caplog, request):
     """``cap``: ddtree_max_verify_tokens; with 100 the step budget follows the batch: 4
     requests -> 24 nodes each, 2 -> 49, 1 -> 99 (trees of changing width between steps).
     That case also fits the start-up cost model (with a ratio that never binds)."""
-    if budget == 64:  # the engine is shared with the tensor-parallel test
-        greedy, sampled = request.getfixturevalue("ddtree_64")
-        assert greedy == no_spec
+    if budget == 64:  # the fixture's engine also ran seeded T=1 samples
+        got, sampled = request.getfixturevalue("ddtree_64")
+        assert got == no_spec[0]
         assert all(len(tokens) == 30 for tokens in sampled)  # T=1 runs, requested lengths
         return
-    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": budget,
-            "ddtree_max_verify_tokens": cap}  # fmt: skip
+    spec = ddtree_spec(budget, ddtree_max_verify_tokens=cap)
     if cap is not None:
         spec["ddtree_max_verify_cost"] = 100.0
-    llm = _engine(spec)
-    try:
+    caplog.set_level(logging.INFO, logger="vllm.ddtree")
+    with engine(spec=spec) as llm:
         if cap is not None:
-            log = "".join(capfd.readouterr())  # vLLM logs to stdout
+            log = caplog.text
             assert "ddtree step budgets (max verify cost 100.00x" in log, log[-3000:]
             assert "1 req -> B 255, 2 req -> B 255, 4 req -> B 255;" in log
-        assert _greedy(llm) == no_spec
-    finally:
-        _close(llm)
+        assert greedy(llm) == no_spec[0]
+
+
+def test_engines_in_one_process_keep_their_own_state(no_spec):
+    """Two DDTree engines with different budgets, then a no-spec engine, one after another in
+    this process: each must give no-spec's greedy tokens. (DDTree once kept its step state in
+    module globals that cached the first engine's KV caches: the second engine was wrong.)"""
+    for budget in (15, 255):
+        with engine(spec=ddtree_spec(budget)) as llm:
+            assert greedy(llm) == no_spec[0], budget
+    with engine() as llm:
+        assert greedy(llm) == no_spec[0]
 
 
 def _spec_counts(llm) -> dict[str, float]:
@@ -117,25 +103,25 @@ def _spec_counts(llm) -> dict[str, float]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs two CPU cores")
-def test_tensor_parallel_ddtree_equals_no_spec(no_spec, ddtree_64, monkeypatch):
-    """Issue 8 on the CPU build: DDTree at tensor_parallel_size=2 (two worker processes, the
-    target's heads and MLP split between them, vocabulary-parallel head gathered) gives
-    no-spec's TP=1 greedy tokens, and with seeded sampling TP=1's DDTree tokens. Every rank
-    builds and walks its own tree from the gathered logits and its own seeded draws; a rank
-    that built another tree or drew otherwise would verify other tokens and part."""
+def test_tensor_parallel_ddtree(no_spec, monkeypatch):
+    """DDTree at tensor_parallel_size=2 (two worker processes, the target's heads and MLP split
+    between them, vocabulary-parallel head gathered): greedy tokens equal no-spec's at TP=1;
+    seeded samples are reproducible; T=1 samples follow no-spec's distribution (chi-square).
+    Every rank builds and walks its own tree from the gathered logits and its own seeded
+    draws; a rank that built another tree would verify other tokens and part. (Exact equality
+    with TP=1's samples is not promised: an all-reduce changes the logits' bits.)"""
     cores = sorted(os.sched_getaffinity(0))[:2]
     # vLLM's CPU workers bind one NUMA node each unless told which cores to take.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
-    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 64}
-    llm = _engine(spec, tensor_parallel_size=2, distributed_executor_backend="mp",
-                  disable_log_stats=False)  # fmt: skip
-    try:
-        assert _greedy(llm) == no_spec
-        assert _sampled(llm) == ddtree_64[1]
-        counts = _spec_counts(llm)
+    with engine(spec=ddtree_spec(64), tensor_parallel_size=2,
+                distributed_executor_backend="mp", disable_log_stats=False) as llm:  # fmt: skip
+        assert greedy(llm) == no_spec[0]
+        counts = _spec_counts(llm)  # of the greedy requests
         assert counts["num_drafts"] > 0 and counts["num_accepted_tokens"] > counts["num_drafts"]
-    finally:
-        _close(llm)
+        first = _sampled(llm)
+        assert _sampled(llm) == first
+        assert all(len(tokens) == 30 for tokens in first)
+        assert_same_distribution(_counts(llm), no_spec[1])
 
 
 @pytest.mark.parametrize(
@@ -151,10 +137,14 @@ def test_tensor_parallel_ddtree_equals_no_spec(no_spec, ddtree_64, monkeypatch):
         ({"ddtree_budget": 64, "ddtree_max_verify_cost": 0.9}, "ddtree_max_verify_cost must"),
         ({"ddtree_budget": 64, "ddtree_max_verify_cost": "1.1"}, "ddtree_max_verify_cost must"),
         ({"ddtree_budget": 64, "ddtree_max_verify_cost": float("nan")}, "ddtree_max_verify_cost"),
+        (
+            {"ddtree_budget": 64, "ddtree_budgte": 9},
+            r"unknown ddtree option\(s\) \['ddtree_budgte'\]",
+        ),
     ],
 )
 def test_bad_config_is_refused(spec, message):
-    from ddtree.vllm_plugin.patches import parse_options
+    from ddtree.vllm_plugin.config import parse_options
 
     full = {"method": "ddtree", "model": str(MODELS / "drafter"), **spec}
     with pytest.raises(ValueError, match=message):
@@ -162,7 +152,7 @@ def test_bad_config_is_refused(spec, message):
 
 
 def test_default_verify_cap():
-    from ddtree.vllm_plugin.patches import parse_options
+    from ddtree.vllm_plugin.config import parse_options
 
     base = {"method": "ddtree", "model": str(MODELS / "drafter")}
     assert parse_options({**base, "ddtree_budget": 64})[1].max_verify_tokens == 512
@@ -176,7 +166,7 @@ def test_default_verify_cap():
 
 
 def test_step_budget_follows_the_batch_but_keeps_the_chain():
-    from ddtree.vllm_plugin.runtime import DDTreeOptions
+    from ddtree.vllm_plugin.config import DDTreeOptions
 
     fixed = DDTreeOptions(budget=255)
     assert [fixed.step_budget(n, 15) for n in (1, 8, 64)] == [255, 255, 255]
@@ -208,14 +198,38 @@ def test_scheduler_keeps_room_for_whole_trees():
     assert config.scheduler_config.max_num_scheduled_tokens == 8192 - 14 * 16
 
 
-def test_triton_tree_attention_is_refused_on_the_cpu(monkeypatch):
-    from ddtree.vllm_plugin import runtime
+def test_triton_tree_attention_is_refused_on_the_cpu():
+    from ddtree.vllm_plugin.config import Settings, check_platform
 
-    monkeypatch.setattr(runtime, "TREE_ATTENTION", "triton")
-    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 16}
     with pytest.raises(NotImplementedError, match="DDTREE_TREE_ATTENTION=triton needs a CUDA"):
-        vllm.LLM(model=str(MODELS / "target"), speculative_config=spec,
-                 max_num_batched_tokens=2048, gpu_memory_utilization=0.2)  # fmt: skip
+        check_platform(Settings(tree_attention="triton"))
+    check_platform(Settings(tree_attention="auto"))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"DDTREE_TREE_ATTENTION": "flash"}, "DDTREE_TREE_ATTENTION must be one of"),
+        ({"DDTREE_SYNC_DEBUG": "loud"}, "DDTREE_SYNC_DEBUG must be warn or error"),
+        ({"DDTREE_PROFILE": "often"}, "DDTREE_PROFILE must be a number"),
+    ],
+)
+def test_bad_environment_is_refused(monkeypatch, env, message):
+    from ddtree.vllm_plugin.config import Settings
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        Settings.from_env()
+
+
+def test_environment_settings(monkeypatch):
+    from ddtree.vllm_plugin.config import Settings
+
+    for name, value in {"DDTREE_TREE_ATTENTION": "merge", "DDTREE_CUDA_GRAPHS": "0",
+                        "DDTREE_SYNC_DEBUG": "warn", "DDTREE_PROFILE": "20"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert Settings.from_env() == Settings("merge", False, "warn", 20, False)
 
 
 @pytest.mark.parametrize(
@@ -254,52 +268,52 @@ def test_mismatched_drafter_is_refused_at_start(tmp_path, change, message):
         )
 
 
-@pytest.mark.parametrize(
-    "env, overrides, message",
-    [
-        ("1", {}, "V1 model runner"),
-        (None, {"async_scheduling": True}, "async_scheduling"),
-        (None, {"cudagraph_mode": "FULL_AND_PIECEWISE"}, "cudagraph_mode"),
-    ],
-)
-def test_cuda_settings_refuse_conflicting_choices(monkeypatch, env, overrides, message):
+def _cuda_args(async_scheduling=None, cudagraph_mode=None):
     from types import SimpleNamespace
 
     from vllm.config.compilation import CUDAGraphMode
 
-    from ddtree.vllm_plugin.patches import _configure_for_cuda
+    mode = None if cudagraph_mode is None else CUDAGraphMode[cudagraph_mode]
+    return SimpleNamespace(async_scheduling=async_scheduling, enforce_eager=False,
+                           compilation_config=SimpleNamespace(cudagraph_mode=mode))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "env, overrides, message",
+    [
+        (None, {"cudagraph_mode": "FULL"}, "not FULL: a full graph of a mixed batch"),
+        ("1", {"cudagraph_mode": "FULL"}, "not FULL: a full graph of a mixed batch"),
+        ("0", {"async_scheduling": True}, "does not support async_scheduling"),
+        ("0", {"cudagraph_mode": "FULL_AND_PIECEWISE"}, "cudagraph_mode PIECEWISE or NONE"),
+    ],
+)
+def test_cuda_settings_refuse_conflicting_choices(monkeypatch, env, overrides, message):
+    from ddtree.vllm_plugin.config import configure_for_cuda
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
     if env is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
-    mode = overrides.get("cudagraph_mode")
-    args = SimpleNamespace(
-        async_scheduling=overrides.get("async_scheduling"),
-        enforce_eager=False,
-        compilation_config=SimpleNamespace(
-            cudagraph_mode=None if mode is None else CUDAGraphMode[mode]
-        ),
-    )
     with pytest.raises(ValueError, match=message):
-        _configure_for_cuda(args)
+        configure_for_cuda(_cuda_args(**overrides))
 
 
 def test_cuda_settings_defaults(monkeypatch):
-    import os
-    from types import SimpleNamespace
-
+    """The V2 runner keeps vLLM's defaults (full graphs of the verify step, async scheduling);
+    the V1 fallback gets synchronous scheduling and piecewise graphs."""
     from vllm.config.compilation import CUDAGraphMode
 
-    from ddtree.vllm_plugin.patches import _configure_for_cuda
+    from ddtree.vllm_plugin.config import configure_for_cuda
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
-    args = SimpleNamespace(async_scheduling=None, enforce_eager=False,
-                           compilation_config=SimpleNamespace(cudagraph_mode=None))  # fmt: skip
-    _configure_for_cuda(args)
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    args = _cuda_args()
+    configure_for_cuda(args)
+    assert args.async_scheduling is None and args.compilation_config.cudagraph_mode is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    args = _cuda_args()
+    configure_for_cuda(args)
     assert args.async_scheduling is False
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
 

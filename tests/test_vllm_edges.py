@@ -8,34 +8,29 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
-PROMPTS = ["def fibonacci(n):\n", "import os\n\nclass Foo:\n    def __init__(self", "x = [", "#"]
+from engines import MODELS, PROMPTS, ddtree_spec, engine  # noqa: E402
+
 MAX_MODEL_LEN = 384
 BLOCK = 32
 
 
 def _run(spec):
-    llm = vllm.LLM(
-        model=str(MODELS / "target"), dtype="float32", enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=2048,
-        block_size=BLOCK, num_gpu_blocks_override=16,  # 512 slots for 4 x 384: preemption
-        speculative_config=spec, seed=0, gpu_memory_utilization=0.2, disable_log_stats=False,
-    )  # fmt: skip
-    try:
+    with engine(
+        spec=spec, max_model_len=MAX_MODEL_LEN, block_size=BLOCK,
+        num_gpu_blocks_override=16,  # 512 slots for 4 x 384: preemption
+        disable_log_stats=False,
+    ) as llm:  # fmt: skip
         params = vllm.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         outs = llm.generate(PROMPTS, params)
         preempted = sum(
             m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
         )  # fmt: skip
         return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs], preempted
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
 def test_context_end_and_preemption_equal_no_spec():
     want, _ = _run(None)
-    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 64}
-    got, preempted = _run(spec)
+    got, preempted = _run(ddtree_spec(64))
     assert preempted > 0, "the KV cache was meant to be too small for all four requests"
     for (tokens, reason), prompt in zip(want, PROMPTS, strict=True):
         assert reason == "length"
@@ -85,17 +80,11 @@ def test_eos_inside_accepted_paths_equals_no_spec(tmp_path):
     model = _eos_model(tmp_path, eos)
 
     def run(spec):
-        llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512,
-                       max_num_seqs=4, max_num_batched_tokens=2048, speculative_config=spec,
-                       seed=0, gpu_memory_utilization=0.2)  # fmt: skip
-        try:
+        with engine(model, spec=spec, max_model_len=512) as llm:
             outs = llm.generate(PROMPTS, vllm.SamplingParams(temperature=0, max_tokens=64))
             return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
-        finally:
-            llm.llm_engine.engine_core.shutdown()
 
     want = run(None)
     stopped = [tokens for tokens, reason in want if reason == "stop"]
     assert len(stopped) >= 2 and all(t[-1] == eos and eos not in t[:-1] for t in stopped)
-    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 64}
-    assert run(spec) == want
+    assert run(ddtree_spec(64)) == want

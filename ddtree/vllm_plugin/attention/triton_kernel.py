@@ -1,6 +1,6 @@
 """One Triton kernel for a layer's tree attention (GPU, FlashAttention's cache layout).
 
-The merged path (``tree_attention.py`` + ``flash_tree_attention.py``) costs ~50 eager ops per
+The merged path (``merge.py`` + ``flash.py``) costs ~50 eager ops per
 layer; this kernel does the same in one launch: per (request, block of tree slots, head) an
 online softmax over the request's cached context (read through its block table) and then over
 its own tree slots (the new K/V of this step, read through the slots' token rows, masked by the

@@ -5,7 +5,7 @@ The ``FLASH_ATTN`` backend hands each layer its cache as the logical view
 channels, V in the rest; indexing the view is independent of the memory order underneath).
 FlashAttention knows causal masks only, so the tree's context part is one non-causal
 FlashAttention call for all tree requests with ``seqused_k`` = each request's cached length;
-the part over the tree's own slots is dense (``tree_attention.suffix_attention``).
+the part over the tree's own slots is dense (``merge.suffix_attention``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ whole cached context plus its ancestors in the tree. The attention splits in two
 are merged with their log-sum-exps (as in cascade attention):
 
 - prefix: every slot over the cached context only (non-causal). On the GPU one FlashAttention
-  call over the paged cache for all requests (``flash_tree_attention.prefix_attention``); on
+  call over the paged cache for all requests (``flash.prefix_attention``); on
   the CPU an SDPA per request over K/V read back from the cache (the reference).
 - suffix: every slot over the request's own ``Q`` new keys with the ancestor mask, dense, on
   the K/V the layer has just computed (not read back from the cache). Fixed shape

@@ -1,7 +1,7 @@
 """Tree-masked attention over vLLM's paged CPU KV cache, and KV compaction of accepted paths.
 
 vLLM's CPU attention kernel (``CPU_ATTN``) knows causal and non-causal masks only. For a
-DDTree verify step (``tree_attention``) the part over the cached context is computed here:
+DDTree verify step (``attention.tree_attention``) the part over the cached context is computed here:
 each request's K/V read back out of the paged cache, one SDPA per request (the CPU is the
 correctness host, not the fast one). ``copy_slots`` moves accepted K/V within the cache.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.vllm_plugin.tree_attention import attend_with_lse
+from ddtree.vllm_plugin.attention.merge import attend_with_lse
 
 SUPPORTED_ISAS = ("vec", "vec16")
 

@@ -1,0 +1,154 @@
+"""Tree attention over the paged KV cache in one Triton kernel, for full CUDA graphs.
+
+Every input is a persistent buffer of the runner or of DDTree (the step's query rows, the
+cache, ``query_start_loc``, ``seq_lens``, the batch's block table, DDTree's ``tree_rows`` and
+per-request tree tables), and every per-step quantity is read on the device, so a launch
+recorded in a CUDA graph stays right when the graph is replayed for another step.
+
+The step's own K/V are already in the cache (vLLM writes them before attention, at sequential
+slots ``context + j``), so a tree slot ``i`` attends to the cached positions ``< context`` and to
+``context + j`` for each tree slot ``j`` that is ``i`` or one of its ancestors:
+``depth[j] <= depth[i]`` and ``ancestors[i, depth[i] - depth[j]] == j``. Query heads that share
+a KV head are computed together (each K/V tile is loaded once for the group); softmax and the
+output accumulate in float32.
+
+Reference: ``merge.attend_with_lse`` per slot over the context and the slot's ancestors
+(tests/test_paged_tree_kernel.py, Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _online_softmax_step(scores, v, top, total, acc):
+    """Fold a tile of ``scores [M, N]`` (``-inf`` where unseen) and its ``v [N, hd]`` into
+    the running row maxima ``top``, softmax sums ``total`` and outputs ``acc``."""
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # rows that have seen nothing yet
+    probs = tl.exp(scores - safe[:, None])
+    rescale = tl.exp(top - safe)
+    total = total * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    return new_top, total, acc
+
+
+@triton.jit
+def _paged_tree_attention_kernel(
+    query_ptr, cache_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, table_ptr, tree_rows_ptr, depths_ptr, ancestors_ptr,
+    scale, group, cache_block, max_depth,
+    s_qt, s_qh, s_ot, s_oh, s_cb, s_ch, s_ct, s_tr, s_dr, s_ar, s_aq,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    state = tl.load(tree_rows_ptr + r)
+    if state < 0:  # not a tree request (prefill, padding): the backend's output stands
+        return
+    q_start = tl.load(qsl_ptr + r)
+    count = tl.load(qsl_ptr + r + 1) - q_start
+    context = tl.load(seq_lens_ptr + r) - count
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # row = (slot, head of the group)
+    slot = q_block * BLOCK_Q + m // GROUP_PAD
+    head_in_group = m % GROUP_PAD
+    head = kv_head * group + head_in_group
+    q_valid = (slot < count) & (head_in_group < group)
+    q_row = (q_start + slot).to(tl.int64)
+    q = tl.load(query_ptr + q_row[:, None] * s_qt + head[:, None] * s_qh + dims[None, :],
+                mask=q_valid[:, None], other=0.0)  # fmt: skip
+    q_depth = tl.load(depths_ptr + state * s_dr + slot, mask=q_valid, other=0)
+    top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+
+    # The cached context: every slot sees all of it.
+    for start in range(0, context, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < context
+        block = tl.load(table_ptr + r * s_tr + pos // cache_block, mask=valid, other=0)
+        base = block.to(tl.int64) * s_cb + kv_head * s_ch + (pos % cache_block) * s_ct
+        k = tl.load(cache_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(cache_ptr + base[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None],
+                    other=0.0)  # fmt: skip
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        top, total, acc = _online_softmax_step(scores, v, top, total, acc)
+
+    # The tree's slots, in the cache right after the context: ancestors and itself only.
+    for start in range(0, count, BLOCK_N):
+        k_slot = start + tl.arange(0, BLOCK_N)
+        valid = k_slot < count
+        pos = context + k_slot
+        block = tl.load(table_ptr + r * s_tr + pos // cache_block, mask=valid, other=0)
+        base = block.to(tl.int64) * s_cb + kv_head * s_ch + (pos % cache_block) * s_ct
+        k = tl.load(cache_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(cache_ptr + base[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None],
+                    other=0.0)  # fmt: skip
+        k_depth = tl.load(depths_ptr + state * s_dr + k_slot, mask=valid, other=0)
+        up = q_depth[:, None] - k_depth[None, :]  # [M, N]: levels from the query up to the key
+        pair = q_valid[:, None] & valid[None, :] & (up >= 0) & (up <= max_depth)
+        ancestor = tl.load(ancestors_ptr + state * s_ar + slot[:, None] * s_aq + up,
+                           mask=pair, other=-1)  # fmt: skip
+        seen = ancestor == k_slot[None, :]
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(seen, scores, float("-inf"))
+        top, total, acc = _online_softmax_step(scores, v, top, total, acc)
+
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])  # fmt: skip
+
+
+def paged_tree_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    tree_rows: torch.Tensor,
+    depths: torch.Tensor,
+    ancestors: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    rows_per_program: int = 64,
+    block_n: int = 32,
+) -> None:
+    """Write the tree requests' rows of ``output [T, H, hd]`` (other rows are left alone).
+
+    ``query [T, H, hd]`` (last dim contiguous); ``kv_cache [num_blocks, kvh, block, 2 * hd]``
+    (FlashAttention's / Triton attention's logical view, K then V in the last dim);
+    ``query_start_loc`` int32 ``[R + 1]``, ``seq_lens`` int32 ``[R]``, ``block_table`` int32
+    ``[R, max_blocks]`` (the batch's, as the backend's metadata holds them); ``tree_rows``
+    int32 ``[R]``: each request's row in the tree tables, -1 for a request without a tree;
+    ``depths`` int32 ``[S, Q]`` and ``ancestors`` int32 ``[S, Q, D + 1]`` (k-th ancestor,
+    saturating at the root). ``max_query_len`` bounds every request's slots (<= Q).
+    """
+    num_reqs = tree_rows.shape[0]
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    for name, t in (("query", query), ("output", output), ("kv_cache", kv_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_tree_attention: {name} must have a contiguous last dim")
+    if depths.stride(1) != 1 or ancestors.stride(2) != 1:
+        raise ValueError("paged_tree_attention: tree tables must be contiguous per row")
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, rows_per_program // group_pad)  # a program: BLOCK_Q slots x GROUP_PAD heads
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_tree_attention_kernel[grid](
+        query, kv_cache, output,
+        query_start_loc, seq_lens, block_table, tree_rows, depths, ancestors,
+        scale, group, kv_cache.shape[2], ancestors.shape[2] - 1,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
+        depths.stride(0), ancestors.stride(0), ancestors.stride(1),
+        HEAD_DIM=head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
+    )  # fmt: skip

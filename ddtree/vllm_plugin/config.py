@@ -1,0 +1,216 @@
+"""DDTree's options in a vLLM speculative config, and the process settings from the environment.
+
+``{"method": "ddtree", "model": DRAFTER, "ddtree_budget": B, ...}`` becomes vLLM's own DFlash
+config plus a :class:`DDTreeOptions` attached to it (``parse_options``); the environment is
+read once, when the plugin registers (:class:`Settings`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("vllm.ddtree")
+
+MAX_BUDGET = 1024
+# Default cap on a step's tree tokens (all requests together). On an H200 at Qwen3-8B shapes a
+# verify forward of up to ~512 tokens costs about what a 16-token chain verify costs; beyond it
+# the forward grows with the tokens, so trees shrink as the batch grows.
+DEFAULT_MAX_VERIFY_TOKENS = 512
+TREE_ATTENTION_CHOICES = ("auto", "merge", "triton")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide knobs from the environment, read once at plugin registration.
+
+    - ``DDTREE_TREE_ATTENTION=auto|merge|triton``: the GPU tree attention (auto: triton);
+    - ``DDTREE_CUDA_GRAPHS=0``: DDTree's own graphs (tree stage, KV commit) off;
+    - ``DDTREE_SYNC_DEBUG=warn|error``: torch's CUDA sync checker around DDTree's step code;
+    - ``DDTREE_PROFILE=N``: the step's time split logged every N steps;
+      ``DDTREE_PROFILE_OPS=1``: plus a torch.profiler op table.
+    """
+
+    tree_attention: str = "auto"
+    cuda_graphs: bool = True
+    sync_debug: str | None = None
+    profile_every: int = 0
+    profile_ops: bool = False
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        tree_attention = os.environ.get("DDTREE_TREE_ATTENTION", "auto")
+        if tree_attention not in TREE_ATTENTION_CHOICES:
+            raise ValueError(
+                f"DDTREE_TREE_ATTENTION must be one of {TREE_ATTENTION_CHOICES}, "
+                f"got {tree_attention!r}"
+            )
+        sync_debug = os.environ.get("DDTREE_SYNC_DEBUG") or None
+        if sync_debug not in (None, "warn", "error"):
+            raise ValueError(f"DDTREE_SYNC_DEBUG must be warn or error, got {sync_debug!r}")
+        profile = os.environ.get("DDTREE_PROFILE", "0") or "0"
+        if not profile.isdigit():
+            raise ValueError(f"DDTREE_PROFILE must be a number of steps, got {profile!r}")
+        return cls(
+            tree_attention=tree_attention,
+            cuda_graphs=os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0",
+            sync_debug=sync_debug,
+            profile_every=int(profile),
+            profile_ops=os.environ.get("DDTREE_PROFILE_OPS") == "1",
+        )
+
+
+SETTINGS = Settings()  # replaced by Settings.from_env() in patches.register()
+
+
+@dataclass
+class DDTreeOptions:
+    """The ``ddtree_*`` keys of one engine's speculative config."""
+
+    budget: int  # B: tree nodes per request and step (at most)
+    chain_seed: bool = True
+    max_verify_tokens: int | None = None  # cap on the step's tree tokens, all requests together
+    max_verify_cost: float | None = None  # verify forward time / the chain's, at most
+    bucket_budgets: dict[int, int] | None = None  # {request bucket: B_step}, from the cost model
+
+    def step_budget(self, num_reqs: int, depth: int) -> int:
+        """This step's B for ``num_reqs`` requests (a bucket): the budget, shrunk so that
+        ``num_reqs * (1 + B)`` stays within ``max_verify_tokens`` and to the start-up cost
+        model's choice for the bucket, but never below the chain (``min(budget, D)`` nodes)."""
+        steps = self.budget
+        if self.max_verify_tokens is not None:
+            steps = min(steps, self.max_verify_tokens // max(num_reqs, 1) - 1)
+        if self.bucket_budgets:
+            steps = min(steps, self.bucket_budgets.get(num_reqs, steps))
+        return max(min(self.budget, depth), steps)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
+    """Turn a ``{"method": "ddtree", ...}`` speculative config into a DFlash one + options."""
+    spec = dict(spec)
+    budget = spec.pop("ddtree_budget", None)
+    chain_seed = spec.pop("ddtree_chain_seed", True)
+    max_verify_tokens = spec.pop("ddtree_max_verify_tokens", "default")
+    max_verify_cost = spec.pop("ddtree_max_verify_cost", None)  # opt-in (docs: README)
+    unknown = sorted(k for k in spec if k.startswith("ddtree_"))
+    if unknown:
+        raise ValueError(f"unknown ddtree option(s) {unknown}")
+    if budget is None:
+        budget = spec.get("num_speculative_tokens")
+    if not _is_int(budget) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(
+            f"ddtree_budget must be an int in [1, {MAX_BUDGET}] (tree nodes per step), "
+            f"got {budget!r}"
+        )
+    if not isinstance(chain_seed, bool):
+        raise ValueError(f"ddtree_chain_seed must be true or false, got {chain_seed!r}")
+    if max_verify_cost is not None and (
+        isinstance(max_verify_cost, bool)
+        or not isinstance(max_verify_cost, int | float)
+        or not max_verify_cost >= 1.0
+    ):
+        raise ValueError(
+            "ddtree_max_verify_cost must be a number >= 1.0 (a step's verify forward time over "
+            f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
+        )
+    if max_verify_tokens == "default":
+        # The cost model measures what the fixed cap guesses: with it, no cap by default.
+        cap = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
+        max_verify_tokens = cap if max_verify_cost is None else None
+    if max_verify_tokens is not None and (not _is_int(max_verify_tokens) or max_verify_tokens < 1):
+        raise ValueError(
+            "ddtree_max_verify_tokens must be a positive int (tree tokens per step, all "
+            f"requests together) or null (no cap), got {max_verify_tokens!r}"
+        )
+    if spec.get("model") is None:
+        raise ValueError("speculative_config.model must name the DFlash drafter for ddtree")
+    spec["method"] = "dflash"
+    spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
+    cost = None if max_verify_cost is None else float(max_verify_cost)
+    return spec, DDTreeOptions(budget, chain_seed, max_verify_tokens, cost)
+
+
+def options_of(config) -> DDTreeOptions | None:
+    """The DDTree options of a vLLM ``SpeculativeConfig`` (or None: not a DDTree engine)."""
+    return getattr(config, "ddtree", None) if config is not None else None
+
+
+def draft_depth(spec) -> int:
+    """D: the positions the DFlash drafter of speculative config ``spec`` proposes per step
+    (its block size - 1; block size 16 when the checkpoint does not say)."""
+    return (getattr(spec.draft_model_config.hf_config, "block_size", None) or 16) - 1
+
+
+def configure_for_cuda(args) -> None:
+    """Engine settings on CUDA; an explicit choice the tree path cannot serve is refused.
+
+    vLLM's V2 model runner (the CUDA default) runs DDTree with full CUDA graphs of the verify
+    step and async scheduling; only ``cudagraph_mode=FULL`` (full graphs of mixed batches) is
+    refused. With ``VLLM_USE_V2_MODEL_RUNNER=0`` (the V1 runner, kept as a fallback) the tree
+    batch is built from host-side step data and attention runs eagerly between piecewise
+    graphs: async scheduling off, ``cudagraph_mode`` PIECEWISE or NONE.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = args.compilation_config.cudagraph_mode
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if v2 not in ("0", "false"):
+        if mode == CUDAGraphMode.FULL:
+            raise ValueError(
+                "ddtree needs compilation_config.cudagraph_mode FULL_AND_PIECEWISE (the "
+                "default), FULL_DECODE_ONLY, PIECEWISE or NONE, not FULL: a full graph of a "
+                "mixed batch would replay the tree attention for prefill rows"
+            )
+        return
+    if args.async_scheduling:
+        raise ValueError(
+            "ddtree on the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) does not support "
+            "async_scheduling: drop --async-scheduling or use the V2 runner"
+        )
+    args.async_scheduling = False
+    if mode is not None and mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        raise ValueError(
+            f"ddtree on the V1 model runner needs compilation_config.cudagraph_mode PIECEWISE "
+            f"or NONE, got {mode.name}: the tree mask is applied in eager attention between "
+            "piecewise graphs"
+        )
+    if mode is None and not args.enforce_eager:
+        args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        log.info("ddtree: compilation_config.cudagraph_mode=PIECEWISE (V1 model runner)")
+
+
+def check_platform(settings: Settings) -> None:
+    """Refuse platforms and settings the tree path is not wired for."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        if settings.tree_attention == "triton":
+            raise NotImplementedError(
+                "DDTREE_TREE_ATTENTION=triton needs a CUDA GPU; on the CPU use merge or auto"
+            )
+    elif not current_platform.is_cuda():
+        # The tree mask is wired into vLLM's CPU and FlashAttention paths only; elsewhere the
+        # target would attend causally across siblings and outputs would be wrong.
+        raise NotImplementedError(
+            f"ddtree in vLLM runs on the CPU and CUDA platforms only, not on "
+            f"{current_platform.device_name!r}"
+        )
+
+
+def check_drafter_fits(draft_path: str, target_hf_config) -> None:
+    """Refuse at start-up a drafter that cannot serve the target (a local z-lab checkpoint)."""
+    from ddtree.dflash import DFlashConfigError, check_pair, read_config
+
+    config_path = Path(draft_path) / "config.json"
+    if not config_path.is_file():
+        return  # a hub id: vLLM resolves and checks it
+    try:
+        check_pair(read_config(config_path), target_hf_config)
+    except DFlashConfigError as err:
+        raise ValueError(f"ddtree: drafter {draft_path} does not fit the target: {err}") from err

@@ -1,0 +1,105 @@
+"""Debugging and profiling of DDTree's step: the sync checker and the step-time split."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import time
+
+import torch
+
+from ddtree.vllm_plugin import config
+
+log = logging.getLogger("vllm.ddtree")
+
+
+def sync_checked(fn):
+    """With ``DDTREE_SYNC_DEBUG=warn|error`` torch's CUDA sync debug mode is on while ``fn``
+    runs: any host-device sync in DDTree's per-step code warns or raises."""
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        mode = config.SETTINGS.sync_debug
+        if mode is None or not torch.cuda.is_available():
+            return fn(*args, **kwargs)
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    return checked
+
+
+class StepProfile:
+    """``DDTREE_PROFILE=N``: the step's time split, logged every N steps (mean ms per step).
+
+    Profiling only: at every stage boundary the device is synchronized and the host clock
+    read, so each stage's time is its full cost (host + device) on the critical path. Stages:
+    prepare (positions, tree batch), forward (the target's verify forward; ``attention`` is its
+    tree-attention share), sample (target tokens + walk), commit (KV moves), vllm (vLLM's
+    bookkeeping before the drafter), draft (context reorder + DFlash forward), build
+    (``build_tree``), rest (until the next step: vLLM's scheduling and outputs).
+    """
+
+    ORDER = ("prepare", "forward", "sample", "commit", "vllm", "draft", "build", "rest")
+
+    def __init__(self, every: int, ops: bool = False):
+        self.every = every
+        self.with_ops = ops  # a torch.profiler op table over steps 2N..3N
+        self.marks: list[tuple[str, float]] = []
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+        self.total_steps = 0
+        self.ops = None
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = self._now()
+        if name == "prepare" and self.marks:
+            self._close_step(now)
+            self._op_profile()
+        self.marks.append((name, now))
+
+    def _op_profile(self) -> None:
+        if not self.with_ops:
+            return
+        self.total_steps += 1
+        if self.total_steps == 2 * self.every:
+            self.ops = torch.profiler.profile(record_shapes=False)
+            self.ops.__enter__()
+        elif self.total_steps == 3 * self.every and self.ops is not None:
+            self.ops.__exit__(None, None, None)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            for key in (sort, "self_cpu_time_total"):
+                table = self.ops.key_averages().table(sort_by=key, row_limit=25)
+                log.warning("ddtree-ops by %s\n%s", key, table)
+            self.ops = None
+
+    @contextlib.contextmanager
+    def attention_span(self):
+        start = self._now()
+        yield
+        self.sums["attention"] = self.sums.get("attention", 0.0) + self._now() - start
+
+    def _close_step(self, now: float) -> None:
+        ends = [t for _, t in self.marks[1:]] + [now]
+        for (name, start), end in zip(self.marks, ends, strict=True):
+            self.sums[name] = self.sums.get(name, 0.0) + end - start
+        first = self.marks[0][0]
+        self.marks = []
+        self.steps += first == "prepare"
+        if self.steps == self.every:
+            stages = [k for k in (*self.ORDER, "attention") if k in self.sums]
+            report = {k: round(1000 * self.sums[k] / self.steps, 3) for k in stages}
+            log.warning(
+                "ddtree-profile %s", json.dumps({"steps": self.steps, "ms_per_step": report})
+            )
+            self.sums, self.steps = {}, 0

@@ -1,0 +1,77 @@
+"""Stage 3: the target's token at every tree node, the walk, and vLLM's sampler output.
+
+Replaces the chain's rejection sampler for DDTree steps: logits exist for every scheduled
+position (one row per node), so each node gets the target's argmax or a sample of its
+processed distribution (``ddtree.sampling``), and ``ddtree.walk`` keeps the longest agreeing
+path. The output is vLLM's layout: ``[accepted..., bonus]`` per request, -1 padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.sampling import process_logits
+from ddtree.verify import walk
+from ddtree.vllm_plugin.debug import sync_checked
+from ddtree.vllm_plugin.state import EngineState
+from ddtree.vllm_plugin.v1.commit import commit_kv
+from ddtree.vllm_plugin.v1.prepare import _to_device
+
+
+def target_tokens(
+    logits: torch.Tensor, sampling_metadata, request_of_row: torch.Tensor, first_row: list[int]
+) -> torch.Tensor:
+    """The target's token at every logits row ``[n]``: argmax for greedy requests, else a
+    sample of the temperature / top-k / top-p processed distribution (per request).
+    ``request_of_row [n]`` (device) and ``first_row`` (host, one per request + the end)."""
+    greedy = logits.argmax(-1)
+    if sampling_metadata.all_greedy:
+        return greedy
+    per_row = [
+        None if t is None else t.index_select(0, request_of_row)
+        for t in (sampling_metadata.top_k, sampling_metadata.top_p)
+    ]
+    temperature = sampling_metadata.temperature.index_select(0, request_of_row)  # [n]
+    is_greedy = temperature < 1e-5
+    probs = process_logits(logits, torch.where(is_greedy, 1.0, temperature), *per_row).softmax(-1)
+    sampled = probs.div(torch.empty_like(probs).exponential_()).argmax(-1)
+    for req, generator in sampling_metadata.generators.items():  # seeded requests only
+        rows = slice(first_row[req], first_row[req + 1])
+        sampled[rows] = torch.multinomial(probs[rows], 1, generator=generator).squeeze(1)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+@sync_checked
+def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sampling_metadata):
+    """Sampler output ``[R, max_spec_len + 1]``: each request's accepted tokens then its bonus;
+    the accepted paths' K/V moved into place."""
+    from vllm.v1.outputs import SamplerOutput
+
+    engine.attention_active = False
+    engine.mark("sample")
+    tb = engine.batch
+    num_reqs = runner.input_batch.num_reqs
+    device = logits.device
+    counts = torch.tensor(metadata.num_draft_tokens[:num_reqs]) + 1  # logits rows per request
+    first_row = torch.nn.functional.pad(counts.cumsum(0), (1, 0))  # [num_reqs + 1]
+    request_of_row = torch.repeat_interleave(torch.arange(num_reqs), counts)
+    num_slots = tb.rows.shape[1]
+    request_of_row_d, first_row_d = _to_device([request_of_row, first_row[:num_reqs]], device)
+    tokens = target_tokens(logits, sampling_metadata, request_of_row_d, first_row.tolist())
+
+    width = metadata.max_spec_len + 1
+    out = tokens.index_select(0, first_row_d).to(torch.int32)[:, None]  # bonus-only default
+    out = torch.nn.functional.pad(out, (0, width - 1), value=-1)  # [num_reqs, width]
+    slot = torch.arange(num_slots, device=device)
+    slot_rows = first_row_d.index_select(0, tb.batch_index)[:, None] + slot  # [R, Q]
+    scheduled = tb.tree.tokens >= 0
+    scheduled[:, 0] = True
+    slot_rows = torch.where(scheduled, slot_rows, slot_rows[:, :1])
+    acceptance = walk(tb.tree, tokens[slot_rows])
+    cols = min(width, acceptance.emitted.shape[1])
+    out[tb.batch_index, :cols] = acceptance.emitted[:, :cols].to(torch.int32)
+    engine.path = acceptance.path
+    engine.mark("commit")
+    commit_kv(engine, runner, tb, acceptance.path)
+    engine.mark("vllm")
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)

@@ -1,0 +1,175 @@
+"""DDTree's per-engine state on the V2 model runner: the tree tables and the step's flags.
+
+The tables are persistent device buffers indexed by vLLM's request-state row (the row a
+request keeps for its lifetime), so a tree proposed in one step is found in the next whatever
+the batch order; ``tree_rows`` maps this step's batch rows to them (-1: no tree). The verify
+graphs read them in place: nothing here is reallocated after start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.tree import DraftTree
+from ddtree.vllm_plugin import attention, graphs
+from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+from ddtree.vllm_plugin.state import LayerBinding
+
+# Attention implementations whose cache layout (logical [blocks, kv heads, block, 2 x head])
+# the paged tree kernel and the KV commit read.
+V2_IMPLS = ("FlashAttentionImpl", "TritonAttentionImpl")
+
+
+class TreeTables:
+    """Per request-state row: its tree (``Q = 1 + B`` slots), and per batch row this step's
+    tree-table row and accepted path."""
+
+    def __init__(self, max_reqs: int, budget: int, depth: int, device: torch.device):
+        slots = 1 + budget
+        self.tokens = torch.full((max_reqs, slots), -1, dtype=torch.long, device=device)
+        self.parents = torch.full((max_reqs, slots), -1, dtype=torch.long, device=device)
+        self.depths = torch.zeros(max_reqs, slots, dtype=torch.int32, device=device)
+        slot = torch.arange(slots, dtype=torch.int32, device=device)
+        # k-th ancestors; a padding tree (every slot its own ancestor) until a proposal lands
+        self.ancestors = slot[None, :, None].repeat(max_reqs, 1, depth + 1).contiguous()
+        self.tree_rows = torch.full((max_reqs,), -1, dtype=torch.int32, device=device)
+        self.path = torch.full((max_reqs, depth + 1), -1, dtype=torch.long, device=device)
+
+    def store(self, state_rows: torch.Tensor, tokens, parents, depths, ancestors) -> None:
+        """Trees in batch order (``[>= R, Q]`` each, ``ancestors [>= R, Q, D + 1]``) into
+        the rows ``state_rows [R]`` of their requests."""
+        num_reqs = state_rows.shape[0]
+        self.tokens.index_copy_(0, state_rows, tokens[:num_reqs])
+        self.parents.index_copy_(0, state_rows, parents[:num_reqs])
+        self.depths.index_copy_(0, state_rows, depths[:num_reqs].int())
+        self.ancestors.index_copy_(0, state_rows, ancestors[:num_reqs].int())
+
+    def batch_trees(self, num_reqs: int, scheduled: torch.Tensor) -> DraftTree:
+        """This step's trees in batch order ``[R, Q]``: a request without a tree gets a padding
+        tree; slots past ``scheduled [R]`` (slots vLLM scheduled) are padding too."""
+        rows = self.tree_rows[:num_reqs].long()
+        has_tree = rows >= 0
+        rows = rows.clamp(min=0)
+        slot = torch.arange(self.tokens.shape[1], device=rows.device)
+        live = has_tree[:, None] & (slot < scheduled[:, None])
+        return DraftTree(
+            tokens=torch.where(live, self.tokens[rows], -1),
+            parents=self.parents[rows],
+            depths=self.depths[rows].long(),
+            mask=None,  # the walk reads parents, depths and ancestors only
+            scores=None,
+            ancestors=self.ancestors[rows].long(),
+            num_nodes=None,
+        )
+
+
+def _check_plain_attention(name: str, impl) -> None:
+    """The tree kernel computes plain softmax attention: refuse what it would drop."""
+    window = getattr(impl, "sliding_window", None)
+    features = {
+        "sliding window": window not in (None, (-1, -1), -1),
+        "logits soft cap": bool(getattr(impl, "logits_soft_cap", None)),
+        "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
+        "attention sinks": getattr(impl, "sinks", None) is not None,
+    }
+    for feature, used in features.items():
+        if used:
+            raise NotImplementedError(f"ddtree: target layer {name} uses {feature}, which the "
+                                      "tree attention does not implement yet")  # fmt: skip
+
+
+@dataclass
+class TreeEngine:
+    """One V2 engine's DDTree state (owned by its speculator)."""
+
+    options: DDTreeOptions
+    depth: int
+    settings: Settings
+    tables: TreeTables
+    graph_pool: graphs.Pool = field(default_factory=graphs.Pool)
+    commit: graphs.GraphCache | None = None
+    layers: list = field(default_factory=list)  # (group, kv_cache, impl) of target layers
+    slot_mappings: torch.Tensor | None = None  # [groups, max_tokens]: the step's KV slots
+    # Step flags (host), set before the forward.
+    tree_step: bool = False  # some request of the step verifies a tree
+    all_tree: bool = False  # every request does (the backend's own pass is not needed)
+    capturing: bool = False  # the runner is capturing its graphs (decode graphs: all tree)
+    walked: bool = False  # the sampler walked trees this step (the drafter reorders)
+    uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
+
+    def bind(self, runner, draft_layers: set[str]) -> None:
+        """Once, after the KV cache exists: the target's attention layers get this engine."""
+        context = runner.compilation_config.static_forward_context
+        for group, spec in enumerate(runner.kv_cache_config.kv_cache_groups):
+            for name in spec.layer_names:
+                if name in draft_layers:
+                    continue
+                layer = context[name]
+                impl = type(layer.impl).__name__
+                if impl not in V2_IMPLS:
+                    raise NotImplementedError(
+                        f"ddtree: target layer {name} uses {impl}; on the V2 model runner the "
+                        f"tree attention supports {V2_IMPLS} (attention_backend FLASH_ATTN or "
+                        "TRITON_ATTN)"
+                    )
+                _check_plain_attention(name, layer.impl)
+                kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+                if kv_cache.element_size() == 1:
+                    raise NotImplementedError(
+                        f"ddtree: layer {name} has a quantized ({kv_cache.dtype}) KV cache; the "
+                        "tree attention reads bf16/fp16/fp32 caches only (drop kv_cache_dtype)"
+                    )
+                layer.impl.ddtree_binding = LayerBinding(self, group)
+                self.layers.append((group, kv_cache, layer.impl))
+        self.slot_mappings = runner.block_tables.slot_mappings
+
+    def attend(self, impl, original, query, key, value, kv_cache, attn_metadata, output, group):
+        """The attention hook of a bound target layer: the backend's pass where it is needed,
+        then the tree rows (in a capture: the decode graphs, every request a tree)."""
+        if attn_metadata is None or not (self.tree_step or self.capturing):
+            return original()
+        if not (self.all_tree or self.capturing):
+            original()  # mixed step: prefill rows need the backend's causal pass
+        num_reqs = attn_metadata.query_start_loc.shape[0] - 1
+        paged_tree_attention(
+            query, kv_cache, output.view(query.shape), attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, attn_metadata.block_table, self.tables.tree_rows[:num_reqs],
+            self.tables.depths, self.tables.ancestors, impl.scale, attn_metadata.max_query_len,
+        )  # fmt: skip
+        return output
+
+    def commit_kv(self, query_start_loc: torch.Tensor, num_reqs: int) -> None:
+        """Every accepted path's K/V to the slots right after its context, all layers: slot
+        of row ``start + path[k]`` -> slot of row ``start + k`` (k = 1..accepted). Other moves
+        are slot 0 (vLLM's null block) onto itself; requests are padded to a bucket so the
+        graph of the per-layer copies repeats."""
+        padded = graphs.bucket(num_reqs)
+        path = self.tables.path[:num_reqs, 1:]  # [R, D]
+        start = query_start_loc[:num_reqs].long()[:, None]
+        step = torch.arange(1, path.shape[1] + 1, device=path.device)
+        live = (path >= 0) & (self.tables.tree_rows[:num_reqs, None] >= 0)
+        src_rows = torch.where(live, start + path.clamp(min=0), 0).flatten()
+        dst_rows = torch.where(live, start + step, 0).flatten()
+        moves = []
+        for slots in self.slot_mappings:
+            for rows in (src_rows, dst_rows):
+                slot = torch.where(live.flatten(), slots[rows], 0)
+                moves.append(torch.nn.functional.pad(slot, (0, (padded - num_reqs) * self.depth)))
+        self._commit()(*moves)
+
+    def _commit(self) -> graphs.GraphCache:
+        if self.commit is None:
+            layers = self.layers
+
+            def commit(*moves: torch.Tensor) -> None:
+                for group, kv_cache, impl in layers:
+                    attention.copy_slots(impl, kv_cache, moves[2 * group], moves[2 * group + 1])
+
+            self.commit = graphs.GraphCache(
+                commit, warmup=lambda *m: [m[i | 1] for i in range(len(m))],
+                pool=self.graph_pool, enabled=self.settings.cuda_graphs,
+            )  # fmt: skip
+        return self.commit

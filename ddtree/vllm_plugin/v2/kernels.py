@@ -1,0 +1,72 @@
+"""Small Triton kernels of the V2 glue: which batch rows verify a tree, and their positions.
+
+Run eagerly between vLLM's graphs, on device values only (no host read), so async
+scheduling keeps going.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_positions_kernel(
+    tree_rows_ptr, positions_ptr, qsl_ptr, cu_logits_ptr, idx_mapping_ptr, depths_ptr,
+    depths_stride, num_reqs,
+    FIND_TREES: tl.constexpr, AT_DEPTH: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    if FIND_TREES:
+        # A request verifies a tree iff it has draft logits (more than its one bonus row).
+        real = r < num_reqs
+        num_logits = tl.load(cu_logits_ptr + r + 1, mask=real, other=0) - tl.load(
+            cu_logits_ptr + r, mask=real, other=0
+        )
+        state = tl.load(idx_mapping_ptr + r, mask=real, other=-1)
+        state = tl.where(num_logits > 1, state, -1)
+        tl.store(tree_rows_ptr + r, state)
+    else:
+        state = tl.load(tree_rows_ptr + r)
+    if state < 0:
+        return
+    q_start = tl.load(qsl_ptr + r)
+    count = tl.load(qsl_ptr + r + 1) - q_start
+    root = tl.load(positions_ptr + q_start)
+    for first in range(0, count, BLOCK):
+        slot = first + tl.arange(0, BLOCK)
+        valid = slot < count
+        if AT_DEPTH:
+            offset = tl.load(depths_ptr + state * depths_stride + slot, mask=valid, other=0)
+        else:
+            offset = slot
+        tl.store(positions_ptr + q_start + slot, root + offset, mask=valid)
+
+
+def mark_trees_and_depth_positions(
+    tree_rows: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    depths: torch.Tensor,
+    num_reqs: int,
+) -> None:
+    """``tree_rows [R_pad]`` := each request's tree-table row (its request-state row) if it
+    verifies a tree this step, else -1 (prefill, padding); then each tree request's positions
+    ``root + depth[slot]`` in place (RoPE sees depths; KV slots stay sequential)."""
+    _tree_positions_kernel[(tree_rows.shape[0],)](
+        tree_rows, positions, query_start_loc, cu_num_logits, idx_mapping, depths,
+        depths.stride(0), num_reqs, FIND_TREES=True, AT_DEPTH=True, BLOCK=128,
+    )  # fmt: skip
+
+
+def sequential_positions(
+    tree_rows: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor
+) -> None:
+    """Each tree request's positions back to ``root + slot`` (the drafter's view)."""
+    _tree_positions_kernel[(tree_rows.shape[0],)](
+        tree_rows, positions, query_start_loc, query_start_loc, tree_rows, tree_rows, 0, 0,
+        FIND_TREES=False, AT_DEPTH=False, BLOCK=128,
+    )  # fmt: skip

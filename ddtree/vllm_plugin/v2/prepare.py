@@ -1,0 +1,60 @@
+"""Before the target's forward on the V2 runner: which requests verify a tree this step, and
+their depth positions (after vLLM computed the KV slots from sequential positions)."""
+
+from __future__ import annotations
+
+from ddtree.vllm_plugin import config
+from ddtree.vllm_plugin.v2 import kernels
+from ddtree.vllm_plugin.v2.engine import TreeEngine
+
+
+def check_settings(vllm_config) -> None:
+    """Refuse engine settings the V2 tree path is not built for, naming the setting."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    parallel = vllm_config.parallel_config
+    refused = {
+        "pipeline_parallel_size": parallel.pipeline_parallel_size > 1,
+        "data_parallel_size": parallel.data_parallel_size > 1,
+        "decode_context_parallel_size": parallel.decode_context_parallel_size > 1,
+        "prefill_context_parallel_size": parallel.prefill_context_parallel_size > 1,
+        "kv_cache_dtype": vllm_config.cache_config.cache_dtype != "auto",
+        "M-RoPE targets (Qwen3.5 / Qwen3.6)": vllm_config.model_config.uses_mrope,
+    }
+    for name, bad in refused.items():
+        if bad:
+            raise NotImplementedError(f"ddtree on the V2 model runner does not support {name}")
+    if vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL:
+        raise ValueError(
+            "ddtree needs cudagraph_mode FULL_AND_PIECEWISE (the default), FULL_DECODE_ONLY, "
+            "PIECEWISE or NONE, not FULL: a full graph of a mixed batch would replay the tree "
+            "attention for prefill rows"
+        )
+    if config.SETTINGS.tree_attention == "merge":
+        raise ValueError("DDTREE_TREE_ATTENTION=merge runs on the V1 model runner only")
+
+
+def begin_step(engine: TreeEngine, scheduler_output, dummy_run: bool) -> None:
+    """Clear the step's flags; note whether every request verifies a tree (only then may a
+    uniform batch replay a verify graph)."""
+    engine.tree_step = engine.all_tree = False
+    if dummy_run:
+        engine.uniform_trees = True
+        return
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    engine.uniform_trees = all(drafts.get(r) for r in scheduler_output.num_scheduled_tokens)
+
+
+def prepare_step(engine: TreeEngine, input_batch) -> None:
+    """``tree_rows`` and depth positions of this step's tree requests, on the device."""
+    counts = input_batch.num_draft_tokens_per_req  # host: drafts scheduled per request
+    engine.tree_step = counts is not None and bool((counts > 0).any())
+    engine.all_tree = engine.tree_step and bool((counts > 0).all())
+    if not engine.tree_step:
+        return
+    tables = engine.tables
+    kernels.mark_trees_and_depth_positions(
+        tables.tree_rows[: input_batch.num_reqs_after_padding], input_batch.positions,
+        input_batch.query_start_loc, input_batch.cu_num_logits, input_batch.idx_mapping,
+        tables.depths, input_batch.num_reqs,
+    )  # fmt: skip

@@ -1,0 +1,110 @@
+"""DDTree's speculator for the V2 model runner: vLLM's DFlash speculator, asked for D
+positions, whose drafts become a B-node tree per request.
+
+- Before the drafter runs, each verified request's accepted path is moved to the front of its
+  rows (the drafter's hidden states) at sequential positions, so vLLM's DFlash input kernel,
+  which takes the rows before the rejected suffix as context, reads exactly the accepted path.
+- The drafter's forward, its logits, the per-depth top-k and the tree build run inside the
+  drafter's full CUDA graph (one per request bucket); the trees land in batch-order buffers and
+  are then stored under each request's state row (:class:`TreeTables`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.tree import draft_topk, tree_from_ranked
+from ddtree.vllm_plugin import config
+from ddtree.vllm_plugin.v2 import kernels
+from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+
+
+def make_speculator_class(base):
+    """A subclass of vLLM's V2 ``DFlashSpeculator`` ``base`` that proposes trees."""
+
+    class DDTreeSpeculator(base):
+        _speculator_name = "DDTree"
+
+        def __init__(self, vllm_config, device):
+            spec = vllm_config.speculative_config
+            options = config.options_of(spec)
+            depth = config.draft_depth(spec)
+            # The drafter: 1 + D queries per request; vLLM schedules the B tree nodes.
+            spec.num_speculative_tokens = depth
+            try:
+                super().__init__(vllm_config, device)
+            finally:
+                spec.num_speculative_tokens = options.budget
+            self.draft_logits = None  # the tree sampler needs no draft distribution
+            tables = TreeTables(self.max_num_reqs, options.budget, depth, device)
+            self.engine = TreeEngine(options, depth, config.SETTINGS, tables)
+            slots = 1 + options.budget
+            # The last proposal's trees in batch order (written inside the drafter's graph).
+            self.batch_tokens = torch.full((self.max_num_reqs, slots), -1, dtype=torch.long,
+                                           device=device)  # fmt: skip
+            self.batch_parents = torch.full_like(self.batch_tokens, -1)
+            self.batch_depths = torch.zeros_like(self.batch_tokens)
+            self.batch_ancestors = torch.zeros(self.max_num_reqs, slots, depth + 1,
+                                               dtype=torch.long, device=device)  # fmt: skip
+
+        def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
+                            num_tokens_across_dp, cudagraph_runtime_mode=None):  # fmt: skip
+            from vllm.config.compilation import CUDAGraphMode
+
+            hidden = self._run_model(
+                num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
+                cudagraph_runtime_mode or CUDAGraphMode.NONE,
+            )  # fmt: skip
+            depth = self.num_speculative_steps
+            rows = self.sample_indices[: num_reqs * depth]
+            logits = self.model.compute_logits(hidden[rows]).view(num_reqs, depth, -1)
+            budget = self.engine.options.budget
+            logprobs, token_ids = draft_topk(logits, min(budget, logits.shape[-1]))
+            trees = tree_from_ranked(logprobs, token_ids, budget,
+                                     chain_seed=self.engine.options.chain_seed)  # fmt: skip
+            self.batch_tokens[:num_reqs].copy_(trees.tokens)
+            self.batch_parents[:num_reqs].copy_(trees.parents)
+            self.batch_depths[:num_reqs].copy_(trees.depths)
+            self.batch_ancestors[:num_reqs].copy_(trees.ancestors)
+
+        @torch.inference_mode()
+        def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                    aux_hidden_states, num_sampled, num_rejected, *args, dummy_run=False,
+                    **kwargs):  # fmt: skip
+            engine = self.engine
+            if engine.walked and not dummy_run:
+                self._accepted_path_first(input_batch, aux_hidden_states or [last_hidden_states])
+            engine.walked = False
+            super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                            aux_hidden_states, num_sampled, num_rejected, *args,
+                            dummy_run=dummy_run, **kwargs)  # fmt: skip
+            num_reqs = input_batch.num_reqs
+            if not dummy_run:
+                engine.tables.store(
+                    input_batch.idx_mapping[:num_reqs].long(),
+                    self.batch_tokens,
+                    self.batch_parents,
+                    self.batch_depths,
+                    self.batch_ancestors,
+                )
+            nodes = self.batch_tokens[:num_reqs, 1:]
+            return torch.where(nodes >= 0, nodes, 0)
+
+        def _accepted_path_first(self, input_batch, hidden_states: list[torch.Tensor]) -> None:
+            """Rows ``start + k`` of each verified request := rows ``start + path[k]`` (k <=
+            accepted) in the drafter's inputs; its positions back to sequential."""
+            tables = self.engine.tables
+            num_reqs = input_batch.num_reqs
+            start = input_batch.query_start_loc[:num_reqs].long()[:, None]
+            path = tables.path[:num_reqs]  # [R, D + 1]
+            live = (path >= 0) & (tables.tree_rows[:num_reqs, None] >= 0)
+            step = torch.arange(path.shape[1], device=path.device)
+            src = torch.where(live, start + path.clamp(min=0), start).flatten()
+            dst = torch.where(live, start + step, start).flatten()
+            for states in hidden_states:  # duplicates of dst copy a row onto itself
+                states.index_copy_(0, dst, states.index_select(0, src))
+            kernels.sequential_positions(
+                tables.tree_rows[:num_reqs], input_batch.positions, input_batch.query_start_loc
+            )
+
+    return DDTreeSpeculator

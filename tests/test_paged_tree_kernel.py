@@ -1,0 +1,75 @@
+"""The paged tree attention kernel (for full CUDA graphs) against a per-slot reference, run with
+Triton's CPU interpreter: tree requests with full and clipped trees, a prefill request and a
+padded request that it must leave alone, grouped-query heads (also a group that is not a power
+of two), the cache in FlashAttention's logical view over NHD memory."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.vllm_plugin.attention.merge import attend_with_lse
+
+
+def test_kernel_equals_the_reference():
+    """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
+    first imported."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:
+    from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+
+    gen = torch.Generator().manual_seed(heads)
+    budget, depth = 23, 4
+    trees = ddtree.build_tree(torch.randn(3, depth, 12, generator=gen) * 2, budget)
+    num_slots = budget + 1
+    # Requests: tree (all slots), prefill (no tree), tree clipped to 9 slots, padding.
+    counts, contexts = [num_slots, 7, 9, 0], [37, 5, 70, 0]
+    tree_rows = torch.tensor([2, -1, 0, -1], dtype=torch.int32)  # rows of the tree tables
+    qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in zip(contexts, counts, strict=True)],
+                            dtype=torch.int32)  # fmt: skip
+    num_blocks = 24
+    tables = torch.randperm(num_blocks, generator=gen)[: 4 * 6].view(4, 6).int()
+    memory = torch.randn(num_blocks, block, kv_heads, 2 * head, generator=gen)
+    kv_cache = memory.permute(0, 2, 1, 3)  # the logical view vLLM passes (NHD memory)
+    num_rows = int(qsl[-1])
+    query = torch.randn(num_rows, heads, head, generator=gen)
+    poison = 1234.5
+    output = torch.full_like(query, poison)
+    depths = trees.depths.int().contiguous()
+    ancestors = trees.ancestors.int().contiguous()
+    paged_tree_attention(query, kv_cache, output, qsl, seq_lens, tables, tree_rows, depths,
+                         ancestors, head**-0.5, max(counts), rows_per_program=16)  # fmt: skip
+
+    def cached(r, positions):
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = kv_cache[tables[r, pos // block].long(), :, pos % block]  # [n, kvh, 2hd]
+        return rows[..., :head], rows[..., head:]
+
+    group = heads // kv_heads
+    for r in range(4):
+        rows = range(int(qsl[r]), int(qsl[r + 1]))
+        if tree_rows[r] < 0:
+            assert (output[list(rows)] == poison).all(), r
+            continue
+        tree = int(tree_rows[r])
+        for i, row in enumerate(rows):
+            seen = [j for j in range(counts[r]) if trees.mask[tree, i, j]]
+            keys, values = cached(r, list(range(contexts[r])) + [contexts[r] + j for j in seen])
+            want, _ = attend_with_lse(query[row : row + 1], keys, values, head**-0.5)
+            torch.testing.assert_close(output[row], want[0], atol=2e-5, rtol=2e-5)
+        assert group >= 1
+
+
+if __name__ == "__main__":
+    check(heads=4, kv_heads=2)
+    check(heads=6, kv_heads=2)  # a group of 3: padded to 4 rows per slot
+    check(heads=2, kv_heads=2)

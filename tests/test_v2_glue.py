@@ -1,0 +1,131 @@
+"""The V2-runner glue on the CPU, with Triton's interpreter (the V2 runner itself needs CUDA):
+which rows verify a tree and their depth positions; the tree sampler's walk, output layout,
+counts and KV commit; the accepted path moved to the front for the drafter. A batch of a full
+tree, a prefill request, a tree clipped by the scheduler, and a padded row."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ddtree
+
+BUDGET, DEPTH, VOCAB, BLOCK = 15, 4, 11, 16
+
+
+def test_v2_glue():
+    """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
+    first imported."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+
+
+def _engine(trees, state_rows):
+    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+
+    tables = TreeTables(8, BUDGET, DEPTH, torch.device("cpu"))
+    tables.store(state_rows, trees.tokens, trees.parents, trees.depths, trees.ancestors)
+    return TreeEngine(DDTreeOptions(BUDGET), DEPTH, Settings(cuda_graphs=False), tables)
+
+
+def check() -> None:
+    from ddtree.vllm_plugin.v2 import kernels
+    from ddtree.vllm_plugin.v2.sampler import TreeSampler
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    gen = torch.Generator().manual_seed(0)
+    trees = ddtree.build_tree(torch.randn(2, DEPTH, VOCAB, generator=gen) * 2, BUDGET)
+    state_rows = torch.tensor([5, 2])  # request-state rows of the two tree requests
+    engine = _engine(trees, state_rows)
+    q = BUDGET + 1
+    # Batch: tree (state 5, all slots), prefill (state 0, 6 tokens), tree clipped to 7 slots
+    # (state 2), and one padded row (full-graph padding).
+    counts, contexts = [q, 6, 7], [40, 0, 21]
+    num_reqs, padded = 3, 4
+    qsl = torch.tensor([0, q, q + 6, q + 13, q + 13], dtype=torch.int32)
+    idx_mapping = torch.tensor([5, 0, 2], dtype=torch.int32)
+    cu_logits = torch.tensor([0, q, q + 1, q + 8], dtype=torch.int32)  # drafts + bonus
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, counts,
+                                                                    strict=True)])  # fmt: skip
+    positions = torch.cat([positions, torch.full((3,), 99)])  # padded token rows
+    sequential = positions.clone()
+    tree_rows = engine.tables.tree_rows
+    kernels.mark_trees_and_depth_positions(
+        tree_rows[:padded], positions, qsl, cu_logits, idx_mapping, engine.tables.depths, num_reqs
+    )
+    assert tree_rows[:padded].tolist() == [5, -1, 2, -1]
+    want = sequential.clone()
+    want[:q] = contexts[0] + trees.depths[0]
+    want[q + 6 : q + 13] = contexts[2] + trees.depths[1, :7]
+    assert positions.tolist() == want.tolist()
+
+    # The target's tokens: agree with one random path of each tree.
+    from helpers import agreeing_targets
+
+    targets = agreeing_targets(trees, VOCAB, seed=3)
+    logit_target = torch.cat([targets[0], torch.tensor([7]), targets[1, :7]])
+    logits = torch.nn.functional.one_hot(logit_target, VOCAB).float()
+    fake_sampler = SimpleNamespace(
+        sample=lambda logits, *args: (logits.argmax(-1), logits),
+        req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.tensor([6] * 8))),
+    )
+    seq_lens = torch.tensor([c + n for c, n in zip(contexts, counts, strict=True)],
+                            dtype=torch.int32)  # fmt: skip
+    # KV: one layer, FlashAttention's logical view; slot of token row t = 1000 + t.
+    num_blocks = 200
+    memory = torch.randn(num_blocks, BLOCK, 2, 8, generator=gen)
+    kv_cache = memory.permute(0, 2, 1, 3)
+    before = kv_cache.clone()
+    engine.layers = [(0, kv_cache, SimpleNamespace())]
+    slots = (1000 + torch.arange(64)).view(1, 64)
+    engine.slot_mappings = slots
+    batch = SimpleNamespace(
+        logits_indices=torch.arange(int(cu_logits[-1])), expanded_idx_mapping=None,
+        idx_mapping_np=None, positions=positions, input_ids=torch.zeros(64, dtype=torch.long),
+        expanded_local_pos=None, num_reqs=num_reqs, cu_num_logits=cu_logits,
+        seq_lens=seq_lens, idx_mapping=idx_mapping, query_start_loc=qsl,
+    )  # fmt: skip
+    out = TreeSampler(engine, fake_sampler, BUDGET)(logits, batch)
+
+    clipped = ddtree.tree.DraftTree(**{k: getattr(trees, k)[1:] for k in
+                                       trees.__dataclass_fields__})  # fmt: skip
+    clipped.tokens = torch.where(torch.arange(q) < 7, clipped.tokens, -1)
+    walks = [ddtree.walk(trees, targets)]
+    walks.append(ddtree.walk(clipped, torch.where(torch.arange(q) < 7, targets[1:], 0)))
+    accepted = [int(walks[0].num_accepted[0]), int(walks[1].num_accepted[0])]
+    assert out.num_sampled.tolist() == [accepted[0] + 1, 1, accepted[1] + 1]
+    assert out.num_rejected.tolist() == [q - accepted[0] - 1, 0, 7 - accepted[1] - 1]
+    assert out.sampled_token_ids.shape == (3, BUDGET + 1)
+    assert out.sampled_token_ids[1, 0] == 7  # the prefill's own sample
+    for row, acc, start in ((0, walks[0], 0), (2, walks[1], q + 6)):
+        n = int(acc.num_accepted[0]) + 1
+        emitted = acc.emitted[0 if row == 0 else 0, :n]
+        assert out.sampled_token_ids[row, :n].tolist() == emitted.tolist()
+        # KV commit: slot 1000 + start + path[k] -> 1000 + start + k.
+        path = acc.path[0, :n].tolist()
+        for k, node in enumerate(path):
+            dst, src = 1000 + start + k, 1000 + start + node
+            got = kv_cache[dst // BLOCK, :, dst % BLOCK]
+            assert torch.equal(got, before[src // BLOCK, :, src % BLOCK]), (row, k)
+    assert accepted[0] >= 1 and engine.walked
+
+    # The drafter's view: accepted path first, sequential positions again.
+    hidden = torch.arange(64, dtype=torch.float32)[:, None].repeat(1, 3)
+    cls = make_speculator_class(object)
+    cls._accepted_path_first(SimpleNamespace(engine=engine), batch, [hidden])
+    assert positions.tolist() == sequential.tolist()
+    for start, acc in ((0, walks[0]), (q + 6, walks[1])):
+        n = int(acc.num_accepted[0]) + 1
+        assert hidden[start : start + n, 0].tolist() == [start + p for p in acc.path[0, :n]]
+    assert hidden[q : q + 6, 0].tolist() == list(range(q, q + 6))  # the prefill untouched
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    check()
