@@ -326,21 +326,49 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
     assert progress == {"label": "c=4 T=1", "done": 10, "total": 10}
 
 
-def test_progress_files_give_one_bar_per_measurement(tmp_path):
-    bars = bench.MeasurementBars(tmp_path, ["ar", "ddtree-16"])
+class FakeBar:
+    """Records when ``MeasurementBars`` opens and closes its tqdm lines."""
+
+    events: list[tuple[str, str]] = []
+
+    def __init__(self, total, desc, unit):
+        self.total, self.desc, self.n = total, desc, 0
+        self.events.append(("open", desc))
+
+    def refresh(self):
+        pass
+
+    def close(self):
+        self.events.append(("close", f"{self.desc} {self.n}/{self.total}"))
+
+
+def test_progress_files_give_one_bar_per_measurement(tmp_path, monkeypatch):
+    import tqdm
+
+    monkeypatch.setattr(tqdm, "tqdm", FakeBar)
+    FakeBar.events = []
+    bars = bench.MeasurementBars(tmp_path, ["ddtree-16", "ar"])
     bars.poll()
     assert not bars.open  # nothing measured yet
     first = bench.ProgressFile(tmp_path / "ar.progress", "c=1 T=0", 16)
     bars.poll()
-    assert bars.open["ar"][0] == "c=1 T=0" and bars.open["ar"][1].total == 16
     first.update(5)  # within 0.5 s of the last write: not written (it is in the timed loop)
     assert json.loads((tmp_path / "ar.progress").read_text())["done"] == 0
     second = bench.ProgressFile(tmp_path / "ar.progress", "c=4 T=0", 32)
-    bars.poll()  # c=1's end was never seen: the next label closes it
-    assert ("ar", "c=1 T=0") in bars.closed and bars.open["ar"][0] == "c=4 T=0"
+    bars.poll()  # c=1's end was never seen: the next label closes it, as complete
     second.update(32)  # the last request is always written
+    # One poll sees ar's last request and ddtree's first: ar's line closes before the next opens.
+    bench.ProgressFile(tmp_path / "ddtree-16.progress", "c=1 T=0", 8).write(2)
     bars.poll()
-    assert not bars.open and ("ar", "c=4 T=0") in bars.closed
+    bars.close()
+    assert FakeBar.events == [
+        ("open", "ar c=1 T=0"),
+        ("close", "ar c=1 T=0 16/16"),
+        ("open", "ar c=4 T=0"),
+        ("close", "ar c=4 T=0 32/32"),
+        ("open", "ddtree-16 c=1 T=0"),
+        ("close", "ddtree-16 c=1 T=0 2/8"),  # an engine that failed mid-way: its count stays
+    ]
 
 
 # ---- flags and plot ------------------------------------------------------------------------

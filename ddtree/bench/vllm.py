@@ -422,7 +422,8 @@ class MeasurementBars:
         for name, state in states.items():
             if name in self.open and self.open[name][0] != state["label"]:
                 self._close(name)
-        for name, state in states.items():
+        ended_first = sorted(states.items(), key=lambda item: item[1]["done"] < item[1]["total"])
+        for name, state in ended_first:
             if (name, state["label"]) in self.closed:
                 continue
             if name not in self.open:
