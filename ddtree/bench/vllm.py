@@ -2,25 +2,41 @@
 
 Every engine is its own process. They start side by side (model load, compilation and CUDA
 graph capture in parallel), wait until all are ready, then measure one at a time under a file
-lock, so no measurement shares the device with another engine's work. Per engine and per
-(concurrency, temperature): output tokens/s, mean acceptance length (tau = 1 + accepted /
-drafts, from vLLM's own spec-decode counters), accepted tokens per depth and the time per step.
+lock, so no measurement shares the device with another engine's work. Every engine runs the
+same requests: one prompt set (``OUT/prompts.json``, written by the driver: ``--prompts``
+held-out prompts, or random ids for dummy shapes) and, per concurrency c, the same request
+schedule (``request_schedule``) with c requests in flight (at c=1 one after another). Per
+engine and per (c, temperature): output tokens/s, mean acceptance length (tau = 1 + accepted
+/ drafts, from vLLM's own spec-decode counters), accepted tokens per depth, the time per
+engine step, and with ``--ddtree-profile N`` DDTree's step split.
 
-Writes ``OUT/<engine>.json`` (+ ``.log``), ``OUT/bench.json`` (all rows) and ``OUT/bench.png``.
+Writes ``OUT/<engine>.json`` (+ ``.log``), ``OUT/bench.json`` (all rows, with the speed ratios
+to the chain and no-spec), ``OUT/bench.md`` (the printed tables) and ``OUT/bench.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from ddtree.bench.report import (
+    add_ratios,
+    mean_profile,
+    parse_profile_log,
+    plot,
+    summary_markdown,
+)
 from ddtree.vllm_plugin import plugin_env
+
+PROFILE_ENV = "DDTREE_PROFILE"  # read by ddtree/vllm_plugin/runtime.py at import
 
 # Qwen3-8B's shapes, and a DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shapes (5 layers).
 QWEN3_8B = dict(
@@ -105,18 +121,81 @@ def engine_kwargs(name: str, args) -> dict:
     return kw
 
 
-def _prompts(args, count: int) -> list[list[int]]:
-    if args.dummy:
-        import torch
+def dummy_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids (for ``--dummy-shapes``; seeded)."""
+    import torch
 
-        gen = torch.Generator().manual_seed(0)
-        return [torch.randint(1000, 100000, (args.input_len,), generator=gen).tolist()
-                for _ in range(count)]  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1000, 100000, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+def bench_prompts(args) -> tuple[list[list[int]], str]:
+    """The prompt set every engine runs, and where it comes from: held-out stdlib ``def`` lines
+    (as ``ddtree tau``) tokenized by the target's tokenizer, or random ids for dummy shapes."""
+    if args.dummy:
+        return dummy_prompts(args.prompts, args.input_len), "random token ids, seed 0"
     from transformers import AutoTokenizer
 
     from ddtree.bench.tau import held_out_prompts
 
-    return held_out_prompts(AutoTokenizer.from_pretrained(args.target), count, args.input_len)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = held_out_prompts(tokenizer, args.prompts, args.input_len)
+    return prompts, "held-out stdlib modules (ddtree.train.data.HELD_OUT_MODULES), def lines"
+
+
+def prompt_set_digest(prompts: list[list[int]]) -> str:
+    """A short fingerprint of a prompt set (token ids, in order)."""
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+def request_schedule(num_prompts: int, concurrency: int) -> list[int]:
+    """The prompt index of each request, in submission order, at one concurrency.
+
+    Whole passes over the prompt set (each prompt weighs the same in tau and tokens/s), as
+    many as it takes to reach max(num_prompts, 2 x concurrency) requests: at c > 1 the c slots
+    refill at least once, so the measurement is not one batch that drains."""
+    if num_prompts < 1 or concurrency < 1:
+        raise ValueError(f"need >= 1 prompt and concurrency >= 1, got {num_prompts}, {concurrency}")
+    wanted = max(num_prompts, 2 * concurrency)
+    passes = -(-wanted // num_prompts)
+    return [i % num_prompts for i in range(passes * num_prompts)]
+
+
+def run_requests(
+    add: Callable[[list[int]], object],
+    step: Callable[[], list],
+    prompts: list[list[int]],
+    concurrency: int,
+    on_finish: Callable[[int], None] | None = None,
+) -> list:
+    """Run ``prompts`` (one request each, in order) keeping ``concurrency`` requests in flight:
+    a new one is added as soon as one finishes, before the next engine step. At c=1 each
+    request runs alone, one after another. ``add(prompt)`` submits one request, ``step()`` runs
+    one engine step and returns outputs (``.finished``). Returns the finished outputs in
+    finishing order; ``on_finish(done)`` after each."""
+    pending = iter(prompts)
+    in_flight = 0
+    finished: list = []
+
+    def fill() -> None:
+        nonlocal in_flight
+        while in_flight < concurrency:
+            prompt = next(pending, None)
+            if prompt is None:
+                return
+            add(prompt)
+            in_flight += 1
+
+    fill()
+    while in_flight:
+        for output in step():
+            if output.finished:
+                in_flight -= 1
+                finished.append(output)
+                if on_finish is not None:
+                    on_finish(len(finished))
+        fill()
+    return finished
 
 
 def _spec_counters(llm) -> dict:
@@ -140,21 +219,68 @@ def _delta(after: dict, before: dict, name: str):
     return a - (b or 0)
 
 
-def measure(llm, prompts, concurrency: int, temperature: float, max_tokens: int) -> dict:
+class ProgressFile:
+    """A measurement's requests done / total in ``OUT/<engine>.progress`` (JSON, replaced
+    atomically), which the driver shows as a tqdm line: the workers' own output goes to their
+    logs. Written at most every 0.5 s and at the end, since it runs inside the timed loop."""
+
+    def __init__(self, path: Path, label: str, total: int):
+        self.path, self.label, self.total = path, label, total
+        self.last = 0.0
+        self.write(0)
+
+    def write(self, done: int) -> None:
+        state = {"label": self.label, "done": done, "total": self.total}
+        tmp = self.path.with_suffix(".progress.tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.path)
+        self.last = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        if done == self.total or time.perf_counter() - self.last > 0.5:
+            self.write(done)
+
+
+def measure(
+    llm,
+    prompts: list[list[int]],
+    schedule: list[int],
+    concurrency: int,
+    temperature: float,
+    max_tokens: int,
+    progress: ProgressFile | None = None,
+) -> dict:
+    """Run the requests ``schedule`` (prompt indices) at ``concurrency``; one row."""  # fmt: skip
     import vllm
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
+    # seed=None: per-request seeds make vLLM sample row by row (and skip FlashInfer's sampler),
+    # which would slow the measured step; at T=1 tau therefore varies a little between runs.
     params = vllm.SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                                 seed=None, detokenize=False)  # fmt: skip
-    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts[:concurrency]]
+                                 seed=None, detokenize=False,
+                                 output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    engine = llm.llm_engine
+
+    def add(prompt: list[int]) -> None:
+        llm.enqueue(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
+
+    def step() -> list:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("ddtree bench: vLLM has no unfinished request, the bench waits")
+        return engine.step()
+
+    on_finish = progress.update if progress is not None else None
     before = _spec_counters(llm)
     start = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
+    outs = run_requests(add, step, [prompts[i] for i in schedule], concurrency, on_finish)
     seconds = time.perf_counter() - start
     after = _spec_counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"concurrency": concurrency, "temperature": temperature, "tokens": tokens,
-           "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+           "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
+           "requests": len(schedule), "prompts": len(set(schedule)),
+           "max_tokens": max_tokens}  # fmt: skip
     steps = _delta(after, before, "engine_steps")
     if steps:  # exact, whatever the number of requests running in each step
         row["engine_steps"] = steps
@@ -174,28 +300,69 @@ def measure(llm, prompts, concurrency: int, temperature: float, max_tokens: int)
     return row
 
 
-def run_engine(name: str, args) -> None:
-    """One engine: start, warm up, wait for the others, measure under the lock."""
+def _own_log(out: Path, name: str) -> Path | None:
+    """``OUT/<engine>.log`` if this worker's stdout is that file (the driver started it)."""
+    path = out / f"{name}.log"
+    try:
+        return path if os.path.samestat(os.fstat(sys.stdout.fileno()), path.stat()) else None
+    except (OSError, ValueError):  # no such log, or stdout is not a file
+        return None
+
+
+def _read_lines(path: Path, start: int, end: int) -> str:
+    """The complete lines of ``path`` between byte offsets ``start`` and ``end``."""
+    with path.open("rb") as log:
+        log.seek(start)
+        text = log.read(end - start).decode(errors="replace")
+    return text[: text.rfind("\n") + 1]
+
+
+def run_engine(name: str, args, log: Path | None = None) -> None:
+    """One engine: start, warm up, wait for the others, measure under the lock. ``log``: the
+    engine's log, where ``DDTREE_PROFILE``'s reports are read from (None: not read)."""
     import vllm
 
     out = args.out
+    prompt_file = out / "prompts.json"
+    if not prompt_file.exists():
+        raise SystemExit(f"ddtree bench --engine {name}: no {prompt_file} (the driver writes it)")
+    prompt_set = json.loads(prompt_file.read_text())
+    prompts = prompt_set["prompts"]
     t0 = time.time()
     llm = vllm.LLM(**engine_kwargs(name, args))
     started = round(time.time() - t0, 1)
-    prompts = _prompts(args, max(args.concurrency))
     for temperature in args.temperatures:  # warm-up: first uses compile (Triton) / allocate
         for concurrency in args.concurrency:
-            measure(llm, prompts, concurrency, temperature, 8)
+            schedule = request_schedule(len(prompts), concurrency)[:concurrency]
+            measure(llm, prompts, schedule, concurrency, temperature, 8)
     (out / f"{name}.ready").touch()
     while not all((out / f"{n}.ready").exists() or (out / f"{n}.failed").exists()
                   for n in args.engines):  # fmt: skip
         time.sleep(1)
-    rows = []
+    rows, reports = [], []
     with open(out / ".device.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for temperature in args.temperatures:
             for concurrency in args.concurrency:
-                row = measure(llm, prompts, concurrency, temperature, args.max_tokens)
+                schedule = request_schedule(len(prompts), concurrency)
+                label = f"c={concurrency} T={temperature:g}"
+                progress = ProgressFile(out / f"{name}.progress", label, len(schedule))
+                sys.stdout.flush()
+                log_start = log.stat().st_size if log else 0
+                row = measure(llm, prompts, schedule, concurrency, temperature, args.max_tokens,
+                              progress)  # fmt: skip
+                if log is not None:
+                    # DDTREE_PROFILE's reports logged during this measurement (the first may
+                    # include up to N-1 steps of the one before: the profile's own window).
+                    text = _read_lines(log, log_start, log.stat().st_size)
+                    try:
+                        found = parse_profile_log(text)
+                    except ValueError as err:
+                        row["profile_error"] = str(err)
+                    else:
+                        reports += found
+                        if found:
+                            row["profile"] = mean_profile(found)
                 rows.append({"engine": name, **row})
                 print(json.dumps(rows[-1]), flush=True)
         fcntl.flock(lock, fcntl.LOCK_UN)
@@ -206,59 +373,72 @@ def run_engine(name: str, args) -> None:
         "v2_model_runner": getattr(config, "use_v2_model_runner", None),
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,
+        "prompts_sha256": prompt_set["sha256"],
+        "profile": mean_profile(reports),
         "rows": rows,
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     llm.llm_engine.engine_core.shutdown()
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def engine_env(name: str, base: dict[str, str], profile_every: int | None) -> dict[str, str]:
+    """One engine process's environment: with ``--ddtree-profile N``, ``DDTREE_PROFILE=N`` for
+    the DDTree engines and unset for the others (its synchronizing timer is DDTree's only)."""
+    env = dict(base)
+    if profile_every is not None:
+        if name.startswith("ddtree-"):
+            env[PROFILE_ENV] = str(profile_every)
+        else:
+            env.pop(PROFILE_ENV, None)
+    return env
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    temps = sorted({r["temperature"] for r in rows})
-    fig, axes = plt.subplots(3, len(temps), figsize=(6 * len(temps), 12), squeeze=False)
-    for col, temperature in enumerate(temps):
-        sub = [r for r in rows if r["temperature"] == temperature]
-        for concurrency in sorted({r["concurrency"] for r in sub}):
-            at = [r for r in sub if r["concurrency"] == concurrency]
-            tree = sorted(
-                (int(r["engine"][7:]), r) for r in at if r["engine"].startswith("ddtree-")
-            )
-            line = axes[0, col].plot([b for b, _ in tree], [r["tokens_per_s"] for _, r in tree],
-                                     "o-", label=f"DDTree, c={concurrency}")[0]  # fmt: skip
-            axes[1, col].plot([b for b, _ in tree], [r["tau"] for _, r in tree], "o-",
-                              color=line.get_color(), label=f"DDTree, c={concurrency}")  # fmt: skip
-            axes[2, col].plot([b for b, _ in tree], [r["ms_per_step"] for _, r in tree], "o-",
-                              color=line.get_color(), label=f"DDTree, c={concurrency}")  # fmt: skip
-            styles = {"dflash": "--", "dflash-v1": "-.", "dflash-v1-sync": (0, (3, 1, 1, 1, 1, 1)),
-                      "dflash-v1-full": (0, (5, 1)), "dflash-v1-full-async": (0, (1, 3)),
-                      "dflash-v2-sync": (0, (8, 2, 2, 2)), "ar": ":"}  # fmt: skip
-            for r, style in ((r, styles[r["engine"]]) for r in at if r["engine"] in styles):
-                axes[0, col].axhline(r["tokens_per_s"], ls=style, color=line.get_color(),
-                                     label=f"{r['engine']}, c={concurrency}")  # fmt: skip
-                if r["engine"] == "dflash":
-                    axes[1, col].axhline(r["tau"], ls=style, color=line.get_color())
-                axes[2, col].axhline(r["ms_per_step"], ls=style, color=line.get_color())
-        labels = ((0, "output tokens/s"), (1, "tau (mean acceptance length)"),
-                  (2, "ms per step (verify + draft)"))  # fmt: skip
-        has_tree = any(r["engine"].startswith("ddtree-") for r in sub)  # log axes need points
-        for row, label in labels:
-            ax = axes[row, col]
-            if has_tree:
-                ax.set_xscale("log", base=2)
-            ax.set_xlabel("DDTree budget B (tree nodes)")
-            ax.set_ylabel(label)
-            ax.set_title(f"{title}, T={temperature}")
-            ax.grid(alpha=0.3)
-        if has_tree:
-            axes[0, col].set_yscale("log")
-            axes[2, col].set_yscale("log")
-        axes[0, col].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+class MeasurementBars:
+    """One tqdm line per engine measurement (requests done / total), read from the workers'
+    ``OUT/<engine>.progress`` files: the driver owns the terminal, the workers log to files."""
+
+    def __init__(self, out: Path, engines: list[str]):
+        self.out, self.engines = out, engines
+        self.open: dict[str, tuple[str, object]] = {}  # engine -> (label, its tqdm bar)
+        self.closed: set[tuple[str, str]] = set()  # (engine, label)
+
+    def _close(self, name: str, done: int | None = None) -> None:
+        label, bar = self.open.pop(name)
+        bar.n = bar.total if done is None else done
+        bar.close()
+        self.closed.add((name, label))
+
+    def poll(self) -> None:
+        from tqdm import tqdm
+
+        states = {}
+        for name in self.engines:
+            try:  # replaced atomically, so never half written; absent until it measures
+                states[name] = json.loads((self.out / f"{name}.progress").read_text())
+            except FileNotFoundError:
+                continue
+        # First close what has ended, so at most one bar is open at a time: an engine's
+        # measurements run one after another, so a new label means the previous one is done.
+        for name, state in states.items():
+            if name in self.open and self.open[name][0] != state["label"]:
+                self._close(name)
+        ended_first = sorted(states.items(), key=lambda item: item[1]["done"] < item[1]["total"])
+        for name, state in ended_first:
+            if (name, state["label"]) in self.closed:
+                continue
+            if name not in self.open:
+                bar = tqdm(total=state["total"], desc=f"{name} {state['label']}", unit="req")
+                self.open[name] = (state["label"], bar)
+            bar = self.open[name][1]
+            if state["done"] >= state["total"]:
+                self._close(name, state["done"])
+            else:
+                bar.n = state["done"]
+                bar.refresh()
+
+    def close(self) -> None:
+        for name in list(self.open):
+            self._close(name, self.open[name][1].n)
 
 
 def drive(args) -> list[dict]:
@@ -266,38 +446,63 @@ def drive(args) -> list[dict]:
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("*.ready"), *out.glob("*.failed")]:
-        stale.unlink()
-    procs, env = {}, plugin_env()
+    stale = [out / f"{name}{suffix}" for name in args.engines
+             for suffix in (".ready", ".failed", ".progress", ".json")]  # fmt: skip
+    for path in stale:  # an old run's files would pass for this run's
+        path.unlink(missing_ok=True)
+    prompts, source = bench_prompts(args)
+    prompt_set = {"source": source, "count": len(prompts), "input_len": args.input_len,
+                  "sha256": prompt_set_digest(prompts), "prompts": prompts}  # fmt: skip
+    (out / "prompts.json").write_text(json.dumps(prompt_set) + "\n")
+    tqdm.write(f"{len(prompts)} prompts ({source}); requests per engine: "
+               + ", ".join(f"c={c}: {len(request_schedule(len(prompts), c))}"
+                           for c in args.concurrency))  # fmt: skip
+    procs, base_env = {}, plugin_env()
     for name in args.engines:
         log = (out / f"{name}.log").open("w")
         cmd = [sys.executable, "-m", "ddtree.cli", "bench", *args.argv, "--engine", name]
+        env = engine_env(name, base_env, args.ddtree_profile)
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         time.sleep(2)
-    pending = dict(procs)
-    with tqdm(total=len(procs), desc="engines done") as bar:
-        while pending:
-            for name, proc in list(pending.items()):
-                if proc.poll() is not None:
-                    if proc.returncode != 0:
-                        (out / f"{name}.failed").touch()
-                        tqdm.write(f"{name}: exit {proc.returncode}, see {out / name}.log")
-                    del pending[name]
-                    bar.update(1)
-            time.sleep(1)
+    pending, ready = dict(procs), set()
+    bars = MeasurementBars(out, args.engines)
+    t0 = time.time()
+    while pending:
+        for name in args.engines:
+            if name not in ready and (out / f"{name}.ready").exists():
+                ready.add(name)
+                tqdm.write(f"{name}: started and warmed up ({time.time() - t0:.0f} s)")
+        bars.poll()
+        for name, proc in list(pending.items()):
+            if proc.poll() is not None:
+                if proc.returncode != 0:
+                    (out / f"{name}.failed").touch()
+                    tqdm.write(f"{name}: exit {proc.returncode}, see {out / name}.log")
+                del pending[name]
+        time.sleep(0.5)
+    bars.poll()
+    bars.close()
     rows, engines = [], {}
     for name in args.engines:
         path = out / f"{name}.json"
         if path.exists():
             engines[name] = json.loads(path.read_text())
             rows += engines[name]["rows"]
+    rows = add_ratios(rows)
     summary = {"command": " ".join(["ddtree", "bench", *args.argv]),
                "exit_codes": {n: p.returncode for n, p in procs.items()},
+               "prompts": {k: v for k, v in prompt_set.items() if k != "prompts"},
+               "requests": {str(c): len(request_schedule(len(prompts), c))
+                            for c in args.concurrency},
+               "ddtree_profile": args.ddtree_profile,
                "engines": {n: {k: v for k, v in e.items() if k != "rows"}
                            for n, e in engines.items()},
                "rows": rows}  # fmt: skip
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     if rows:
+        table = summary_markdown(rows, args.engines)
+        (out / "bench.md").write_text(table)
+        print("\n" + table, flush=True)
         plot(rows, out / "bench.png", args.title or Path(args.target).name)
     return rows
 
@@ -310,10 +515,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="ar,dflash,ddtree",
                         help=f"comma-separated: {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--budgets", default="16,32,64,128,255,511,1023")
-    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--concurrency", default="1,4,16,32",
+                        help="requests in flight; each level runs whole passes over the prompts, "
+                        "at least max(prompts, 2c) requests")  # fmt: skip
     parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=16,
+                        help="distinct prompts: held-out stdlib def lines (as `ddtree tau`), "
+                        "random ids with --dummy-shapes")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="per engine (GPU)")
@@ -323,36 +533,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default={},
         help="more ddtree keys as JSON, e.g. '{\"ddtree_max_verify_cost\": null}'",
     )
+    parser.add_argument("--ddtree-profile", type=int, default=None, metavar="N",
+                        help="DDTREE_PROFILE=N for the DDTree engines only: their step "
+                        "split (mean ms per stage) in the rows and the summary")  # fmt: skip
     parser.add_argument("--title", default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # one worker
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
-    root = Path(__file__).resolve().parents[2]
-    args.dummy = args.dummy_shapes is not None
-    if args.dummy:
-        args.target, args.draft = write_dummy_shapes(args.out / "models")
-    else:
-        args.target = args.target or root / "models" / "target"
-        args.draft = args.draft or root / "models" / "drafter"
-    args.budgets = [int(b) for b in args.budgets.split(",") if b]
-    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
-    args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
+def _numbers(flag: str, text: str, kind: type, minimum: float) -> list:
+    """A comma-separated flag value as numbers >= ``minimum``; SystemExit naming the flag."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"ddtree bench: {flag} {text!r}: not comma-separated {kind.__name__}s"
+        ) from None
+    if not values:
+        raise SystemExit(f"ddtree bench: {flag} is empty")
+    if any(v < minimum for v in values):
+        raise SystemExit(f"ddtree bench: {flag} {text!r}: each must be >= {minimum}")
+    return values
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    """Parse and check the flags (SystemExit naming the flag); returns the methods."""
+    args.budgets = _numbers("--budgets", args.budgets, int, 1)
+    args.concurrency = _numbers("--concurrency", args.concurrency, int, 1)
+    args.temperatures = _numbers("--temperatures", args.temperatures, float, 0.0)
     methods = [m for m in args.methods.split(",") if m]
     for method in methods:
         if method not in METHODS:
             raise SystemExit(
                 f"ddtree bench: unknown method {method!r} in --methods (one of {METHODS})"
             )
+    for flag, value in (("--prompts", args.prompts), ("--max-tokens", args.max_tokens),
+                        ("--input-len", args.input_len)):  # fmt: skip
+        if value < 1:
+            raise SystemExit(f"ddtree bench: {flag} must be >= 1, got {value}")
+    if args.ddtree_profile is not None:
+        if args.ddtree_profile < 1:
+            raise SystemExit(
+                f"ddtree bench: --ddtree-profile must be >= 1, got {args.ddtree_profile}"
+            )
+        if "ddtree" not in methods:
+            raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
     if not isinstance(args.ddtree_options, dict):
         raise SystemExit("ddtree bench: --ddtree-options must be a JSON object")
+    return methods
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    root = Path(__file__).resolve().parents[2]
+    methods = _check_args(args)
+    args.dummy = args.dummy_shapes is not None
+    if args.dummy:
+        args.target, args.draft = write_dummy_shapes(args.out / "models")
+    else:
+        args.target = args.target or root / "models" / "target"
+        args.draft = args.draft or root / "models" / "drafter"
     args.engines = engine_names(methods, args.budgets)
     args.argv = list(argv)
     if args.engine is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         try:
-            run_engine(args.engine, args)
+            run_engine(args.engine, args, _own_log(args.out, args.engine))
         except BaseException:
             (args.out / f"{args.engine}.failed").touch()
             raise

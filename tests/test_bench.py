@@ -1,0 +1,398 @@
+"""`ddtree bench`'s pure parts: prompt set, request schedule, ratios, tables, profile logs.
+
+No vLLM engine starts here: the worker path runs against a fake ``vllm.LLM``."""
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddtree.bench import report
+from ddtree.bench import vllm as bench
+from ddtree.cli import main
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+
+def _prompt_args(**kw) -> argparse.Namespace:
+    base = {"dummy": False, "target": MODELS / "target", "prompts": 16, "input_len": 64}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_held_out_prompt_set_is_16_distinct_def_lines_and_deterministic():
+    from transformers import AutoTokenizer
+
+    prompts, source = bench.bench_prompts(_prompt_args())
+    again, _ = bench.bench_prompts(_prompt_args())
+    assert "held-out" in source
+    assert len(prompts) == 16 and len({tuple(p) for p in prompts}) == 16
+    assert all(len(p) == 64 for p in prompts)
+    assert prompts == again and bench.prompt_set_digest(prompts) == bench.prompt_set_digest(again)
+    tokenizer = AutoTokenizer.from_pretrained(MODELS / "target")
+    assert all(tokenizer.decode(p).lstrip().startswith("def ") for p in prompts)
+
+
+def test_dummy_prompts_are_distinct_seeded_and_sized():
+    prompts, source = bench.bench_prompts(_prompt_args(dummy=True, prompts=20, input_len=32))
+    assert "random" in source
+    assert len(prompts) == 20 and len({tuple(p) for p in prompts}) == 20
+    assert all(len(p) == 32 for p in prompts)
+    assert prompts == bench.dummy_prompts(20, 32)
+    assert prompts != bench.dummy_prompts(20, 32, seed=1)
+
+
+# ---- request schedule ----------------------------------------------------------------------
+
+
+def test_request_schedule_examples():
+    assert bench.request_schedule(16, 1) == list(range(16))  # c=1: every prompt once, in order
+    assert bench.request_schedule(16, 16) == list(range(16)) * 2  # the 16 slots refill once
+    assert bench.request_schedule(16, 32) == list(range(16)) * 4
+    assert bench.request_schedule(3, 2) == [0, 1, 2] * 2
+    with pytest.raises(ValueError):
+        bench.request_schedule(0, 1)
+
+
+@given(st.integers(1, 40), st.integers(1, 64))
+def test_request_schedule_whole_passes_and_enough_requests(num_prompts, concurrency):
+    schedule = bench.request_schedule(num_prompts, concurrency)
+    wanted = max(num_prompts, 2 * concurrency)
+    assert wanted <= len(schedule) < wanted + num_prompts  # the fewest whole passes
+    assert len(schedule) % num_prompts == 0
+    assert schedule == [i % num_prompts for i in range(len(schedule))]
+
+
+class FakeEngine:
+    """Requests that finish after a fixed number of steps; records what ran with what."""
+
+    def __init__(self, steps_per_request=lambda prompt: 3):
+        self.steps_per_request = steps_per_request
+        self.running: dict[str, list] = {}  # request id -> [prompt, steps left]
+        self.added: list[tuple[int, ...]] = []
+        self.batches: list[set[str]] = []  # the requests of every step
+
+    def add(self, prompt):
+        request_id = str(len(self.added))
+        self.added.append(tuple(prompt))
+        self.running[request_id] = [prompt, self.steps_per_request(prompt)]
+
+    def step(self):
+        self.batches.append(set(self.running))
+        outputs = []
+        for request_id, state in list(self.running.items()):
+            state[1] -= 1
+            done = state[1] == 0
+            if done:
+                del self.running[request_id]
+            outputs.append(SimpleNamespace(request_id=request_id, finished=done))
+        return outputs
+
+
+def test_run_requests_at_c1_runs_each_request_alone_in_order():
+    engine = FakeEngine(steps_per_request=lambda p: 1 + p[0] % 3)
+    prompts = [[i] for i in range(7)]
+    done = []
+    finished = bench.run_requests(engine.add, engine.step, prompts, 1, done.append)
+    assert engine.added == [tuple(p) for p in prompts]
+    assert all(len(batch) == 1 for batch in engine.batches)  # never batched
+    assert [o.request_id for o in finished] == [str(i) for i in range(7)]
+    assert done == list(range(1, 8))
+    assert len(engine.batches) == sum(1 + i % 3 for i in range(7))  # no idle step
+
+
+def test_run_requests_keeps_c_in_flight_until_the_queue_runs_dry():
+    engine = FakeEngine(steps_per_request=lambda p: 2 + p[0] % 5)
+    prompts = [[i] for i in range(40)]
+    finished = bench.run_requests(engine.add, engine.step, prompts, 6)
+    assert engine.added == [tuple(p) for p in prompts] and len(finished) == 40
+    sizes = [len(batch) for batch in engine.batches]
+    assert max(sizes) == 6
+    for i, size in enumerate(sizes):
+        started = len(set().union(*engine.batches[: i + 1]))
+        # Full while requests are queued: fewer only once every request has started.
+        assert size == 6 or started == 40, (i, size, started)
+
+
+# ---- ratios and tables ---------------------------------------------------------------------
+
+
+def _row(engine, c, t, tps, tau=1.0, **kw):
+    return {"engine": engine, "concurrency": c, "temperature": t, "tokens_per_s": tps,
+            "tau": tau, **kw}  # fmt: skip
+
+
+def _grid():
+    return [
+        _row("ar", 1, 0.0, 500.0, ms_per_engine_step=2.0),
+        _row("dflash", 1, 0.0, 1000.0, 2.5, ms_per_engine_step=4.0),
+        _row("ddtree-64", 1, 0.0, 1500.0, 3.25, ms_per_engine_step=5.123),
+        _row("ar", 16, 0.0, 4000.0),
+        _row("ddtree-64", 16, 0.0, 2000.0, 3.0),  # no chain row at this point
+    ]
+
+
+def test_ratios_against_the_chain_and_no_spec_at_the_same_point():
+    rows = _grid()
+    ratios = {(r["engine"], r["concurrency"]): r for r in report.add_ratios(rows)}
+    assert ratios[("ddtree-64", 1)]["tokens_per_s_vs_dflash"] == 1.5
+    assert ratios[("ddtree-64", 1)]["tokens_per_s_vs_ar"] == 3.0
+    assert ratios[("dflash", 1)]["tokens_per_s_vs_dflash"] == 1.0
+    assert ratios[("dflash", 1)]["tokens_per_s_vs_ar"] == 2.0
+    assert ratios[("ar", 1)]["tokens_per_s_vs_dflash"] == 0.5
+    assert "tokens_per_s_vs_ar" not in ratios[("ar", 1)]
+    assert "tokens_per_s_vs_dflash" not in ratios[("ddtree-64", 16)]  # no chain at c=16
+    assert ratios[("ddtree-64", 16)]["tokens_per_s_vs_ar"] == 0.5
+    assert all("tokens_per_s_vs_ar" not in r for r in rows)  # the input rows are untouched
+
+
+def test_speed_table_rows_are_engines_columns_are_points():
+    rows = report.add_ratios(_grid())
+    key = report.reference_key(rows)
+    assert key == "tokens_per_s_vs_dflash"
+    table = report.markdown_table(rows, lambda r: report.speed_cell(r, key),
+                                  ["ar", "dflash", "dflash-v1", "ddtree-64"])  # fmt: skip
+    assert table.splitlines() == [
+        "| engine | c=1 T=0 | c=16 T=0 |",
+        "|---|---:|---:|",
+        "| ar | 500 (1.00) x0.50 | 4000 (1.00) |",
+        "| dflash | 1000 (2.50) x1.00 | - |",
+        "| ddtree-64 | 1500 (3.25) x1.50 | 2000 (3.00) |",
+    ]
+    steps = report.markdown_table(rows, report.step_cell, ["ddtree-64"])
+    assert steps.splitlines()[-1] == "| ddtree-64 | 5.12 | - |"
+
+
+def test_without_the_chain_the_table_shows_the_no_spec_ratio():
+    rows = report.add_ratios([r for r in _grid() if r["engine"] != "dflash"])
+    key = report.reference_key(rows)
+    assert key == "tokens_per_s_vs_ar"
+    summary = report.summary_markdown(rows, ["ar", "ddtree-64"])
+    assert "over ar (no-spec)" in summary
+    assert "| ddtree-64 | 1500 (3.25) x3.00 | 2000 (3.00) x0.50 |" in summary
+
+
+# ---- DDTREE_PROFILE logs -------------------------------------------------------------------
+
+LOG = """\
+(EngineCore pid=5475) INFO 12-03 15:22:24 [core.py:116] Initializing a V1 LLM engine
+(EngineCore pid=5475) WARNING:ddtree:ddtree-profile {"steps": 20, "ms_per_step": {"prepare": 1.0, "forward": 10.0, "attention": 4.0}}
+{"engine": "ddtree-64", "concurrency": 1}
+(EngineCore pid=5475) WARNING:ddtree:ddtree-ops by self_cpu_time_total
+-----  ddtree-profile is not at the start of this table line  ---
+(EngineCore pid=5475) WARNING:ddtree:ddtree-profile {"steps": 10, "ms_per_step": {"prepare": 4.0, "forward": 16.0}}
+"""  # noqa: E501
+
+
+def test_profile_lines_parse_and_average_by_steps():
+    readable = [line for line in LOG.splitlines() if "table line" not in line]
+    reports = report.parse_profile_log("\n".join(readable))
+    assert [r["steps"] for r in reports] == [20, 10]
+    mean = report.mean_profile(reports)
+    assert mean == {"reports": 2, "steps": 30,
+                    "ms_per_step": {"prepare": 2.0, "forward": 12.0, "attention": 4.0}}  # fmt: skip
+    assert report.mean_profile([]) is None
+    assert report.parse_profile_log("no reports here\n") == []
+
+
+def test_a_garbled_profile_line_is_an_error():
+    with pytest.raises(ValueError, match="unreadable ddtree-profile"):
+        report.parse_profile_log(LOG)  # the op table's line that names the marker
+
+
+def test_profile_table_in_the_summary():
+    rows = _grid()
+    rows[2]["profile"] = {"reports": 1, "steps": 20, "ms_per_step": {"forward": 10.0, "build": 2.5}}
+    summary = report.summary_markdown(report.add_ratios(rows), ["ar", "dflash", "ddtree-64"])
+    assert "| engine | c | T | steps | forward | build |" in summary
+    assert "| ddtree-64 | 1 | 0 | 20 | 10.00 | 2.50 |" in summary
+    assert report.profile_table(_grid()) is None
+    rows[2]["profile_error"] = "unreadable ddtree-profile line: 'x'"
+    summary = report.summary_markdown(report.add_ratios(rows), ["ddtree-64"])
+    assert "profile log of ddtree-64 c=1 T=0 not read: unreadable" in summary
+
+
+def test_ddtree_profile_env_only_for_ddtree_engines():
+    base = {"PATH": "/bin", "DDTREE_PROFILE": "7"}
+    assert bench.engine_env("ddtree-64", base, 20)["DDTREE_PROFILE"] == "20"
+    assert "DDTREE_PROFILE" not in bench.engine_env("dflash", base, 20)
+    assert bench.engine_env("dflash", base, None) == base  # no flag: the environment as it is
+    assert base["DDTREE_PROFILE"] == "7"
+
+
+# ---- the worker against a fake vllm.LLM ----------------------------------------------------
+
+
+class FakeLLM:
+    """What ``run_engine`` / ``measure`` use of ``vllm.LLM``: requests of ``max_tokens``
+    tokens, 2 accepted per draft; every 4th step logs a ddtree-profile report."""
+
+    instances: list["FakeLLM"] = []
+    log: Path | None = None
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.requests: list[tuple[tuple[int, ...], int, float]] = []
+        self.running: dict[int, int] = {}
+        self.batch_sizes: list[int] = []
+        self.drafts = self.accepted = self.steps = 0
+        self.llm_engine = SimpleNamespace(
+            step=self._step, has_unfinished_requests=lambda: bool(self.running),
+            engine_core=SimpleNamespace(shutdown=lambda: None),
+            vllm_config=SimpleNamespace(
+                use_v2_model_runner=False,
+                compilation_config=SimpleNamespace(cudagraph_mode="NONE",
+                                                   max_cudagraph_capture_size=0)),
+        )  # fmt: skip
+        FakeLLM.instances.append(self)
+
+    def enqueue(self, prompt, params, use_tqdm=True):
+        ids = tuple(prompt["prompt_token_ids"])
+        self.requests.append((ids, params.max_tokens, params.temperature))
+        self.running[len(self.requests)] = params.max_tokens
+        return [str(len(self.requests))]
+
+    def _step(self):
+        self.steps += 1
+        self.batch_sizes.append(len(self.running))
+        if self.log is not None and self.steps % 4 == 0:
+            with self.log.open("a") as log:
+                report = {"steps": 4, "ms_per_step": {"forward": float(self.steps)}}
+                log.write(
+                    f"(EngineCore pid=1) WARNING:ddtree:ddtree-profile {json.dumps(report)}\n"
+                )
+        outputs = []
+        for request, left in list(self.running.items()):
+            self.drafts += 1
+            self.accepted += 2
+            self.running[request] = left = max(left - 3, 0)
+            if left == 0:
+                del self.running[request]
+                sample = SimpleNamespace(token_ids=[7] * self.requests[request - 1][1])
+                outputs.append(
+                    SimpleNamespace(request_id=str(request), finished=True, outputs=[sample])
+                )
+        return outputs
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted),
+                SimpleNamespace(name="vllm:iteration_tokens_total", count=self.steps)]  # fmt: skip
+
+
+def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    FakeLLM.instances = []
+    prompts = bench.dummy_prompts(5, 8)
+    prompt_set = {"sha256": bench.prompt_set_digest(prompts), "prompts": prompts}
+    (tmp_path / "prompts.json").write_text(json.dumps(prompt_set))
+    argv = ["bench", "--methods", "ar,ddtree", "--budgets", "16", "--concurrency", "1,4",
+            "--temperatures", "0,1", "--max-tokens", "9", "--out", str(tmp_path)]  # fmt: skip
+    for name in ("ar", "ddtree-16"):
+        log = tmp_path / f"{name}.log"
+        log.write_text("")
+        FakeLLM.log = log if name.startswith("ddtree") else None
+        args = argparse.Namespace(
+            dummy=True, target=tmp_path, draft=tmp_path, dtype="float32", max_model_len=64,
+            kv_cache_gib=1.0, ddtree_options={}, concurrency=[1, 4], budgets=[16],
+            temperatures=[0.0, 1.0], max_tokens=9, engines=[name], argv=argv,
+            out=tmp_path,
+        )  # fmt: skip
+        bench.run_engine(name, args, log)
+    ar, tree = FakeLLM.instances
+    assert ar.requests == tree.requests  # same prompts, lengths, temperatures, same order
+    measured = [r for r in ar.requests if r[1] == 9]  # warm-up requests have 8 tokens
+    want = [(tuple(prompts[i]), 9, t) for t in (0.0, 1.0) for c in (1, 4)
+            for i in bench.request_schedule(5, c)]  # fmt: skip
+    assert measured == want
+    result = json.loads((tmp_path / "ddtree-16.json").read_text())
+    assert result["prompts_sha256"] == prompt_set["sha256"]
+    by_point = {(r["concurrency"], r["temperature"]): r for r in result["rows"]}
+    assert by_point[(1, 0.0)]["requests"] == 5 and by_point[(4, 0.0)]["requests"] == 10
+    assert by_point[(4, 1.0)]["prompts"] == 5 and by_point[(4, 1.0)]["tokens"] == 90
+    assert by_point[(1, 0.0)]["tau"] == 3.0
+    assert all(r["profile"]["reports"] >= 1 for r in result["rows"])
+    assert result["profile"]["steps"] == 4 * result["profile"]["reports"]
+    assert "profile" not in json.loads((tmp_path / "ar.json").read_text())["rows"][0]
+    progress = json.loads((tmp_path / "ddtree-16.progress").read_text())
+    assert progress == {"label": "c=4 T=1", "done": 10, "total": 10}
+
+
+class FakeBar:
+    """Records when ``MeasurementBars`` opens and closes its tqdm lines."""
+
+    events: list[tuple[str, str]] = []
+
+    def __init__(self, total, desc, unit):
+        self.total, self.desc, self.n = total, desc, 0
+        self.events.append(("open", desc))
+
+    def refresh(self):
+        pass
+
+    def close(self):
+        self.events.append(("close", f"{self.desc} {self.n}/{self.total}"))
+
+
+def test_progress_files_give_one_bar_per_measurement(tmp_path, monkeypatch):
+    import tqdm
+
+    monkeypatch.setattr(tqdm, "tqdm", FakeBar)
+    FakeBar.events = []
+    bars = bench.MeasurementBars(tmp_path, ["ddtree-16", "ar"])
+    bars.poll()
+    assert not bars.open  # nothing measured yet
+    first = bench.ProgressFile(tmp_path / "ar.progress", "c=1 T=0", 16)
+    bars.poll()
+    first.update(5)  # within 0.5 s of the last write: not written (it is in the timed loop)
+    assert json.loads((tmp_path / "ar.progress").read_text())["done"] == 0
+    second = bench.ProgressFile(tmp_path / "ar.progress", "c=4 T=0", 32)
+    bars.poll()  # c=1's end was never seen: the next label closes it, as complete
+    second.update(32)  # the last request is always written
+    # One poll sees ar's last request and ddtree's first: ar's line closes before the next opens.
+    bench.ProgressFile(tmp_path / "ddtree-16.progress", "c=1 T=0", 8).write(2)
+    bars.poll()
+    bars.close()
+    assert FakeBar.events == [
+        ("open", "ar c=1 T=0"),
+        ("close", "ar c=1 T=0 16/16"),
+        ("open", "ar c=4 T=0"),
+        ("close", "ar c=4 T=0 32/32"),
+        ("open", "ddtree-16 c=1 T=0"),
+        ("close", "ddtree-16 c=1 T=0 2/8"),  # an engine that failed mid-way: its count stays
+    ]
+
+
+# ---- flags and plot ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompts", "0"], "--prompts must be >= 1"),
+        (["--concurrency", "1,x"], "--concurrency '1,x'"),
+        (["--concurrency", "0,4"], "--concurrency '0,4': each must be >= 1"),
+        (["--temperatures", "-1"], "--temperatures"),
+        (["--budgets", ""], "--budgets is empty"),
+        (["--ddtree-profile", "0"], "--ddtree-profile must be >= 1"),
+        (["--ddtree-profile", "5", "--methods", "ar,dflash"], "--ddtree-profile needs ddtree"),
+    ],
+)
+def test_bad_flag_values_name_the_flag(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", *flags, "--out", str(tmp_path)])
+
+
+def test_bench_plot_tokens_ratio_and_tau_panels(tmp_path):
+    rows = report.add_ratios(_grid() + [_row("dflash", 16, 0.0, 3000.0, 2.0),
+                                        _row("ar", 1, 1.0, 400.0)])  # fmt: skip
+    report.plot(rows, tmp_path / "bench.png", "test")
+    assert (tmp_path / "bench.png").stat().st_size > 0
