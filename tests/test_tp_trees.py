@@ -1,4 +1,4 @@
-"""Tensor parallel (issue 8, CPU part): every rank builds the same tree by construction.
+"""Tensor parallel: every rank builds the same tree by construction.
 
 In vLLM's TP the drafter's logits are gathered from vocabulary shards, so every rank holds the
 same full logits; ``build_tree`` breaks ties by token id (exactly, no float order), so the trees

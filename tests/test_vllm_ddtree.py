@@ -88,8 +88,8 @@ def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, caplog, request):
 
 def test_engines_in_one_process_keep_their_own_state(no_spec):
     """Two DDTree engines with different budgets, then a no-spec engine, one after another in
-    this process: each must give no-spec's greedy tokens. (DDTree once kept its step state in
-    module globals that cached the first engine's KV caches: the second engine was wrong.)"""
+    this process: each must give no-spec's greedy tokens (step state kept in module globals
+    would hand the second engine the first one's KV caches)."""
     for budget in (15, 255):
         with engine(spec=ddtree_spec(budget)) as llm:
             assert greedy(llm) == no_spec[0], budget
@@ -186,7 +186,8 @@ def test_budget_above_batched_tokens_is_refused():
 
 def test_scheduler_keeps_room_for_whole_trees():
     """vLLM reserves drafter slots per sequence out of max_num_batched_tokens; with DDTree that
-    is the drafter's D queries, not B (B=511 x 16 sequences once left 32 tokens per step)."""
+    is the drafter's D queries, not B (B - 1 per sequence would leave B=511 x 16 sequences 32
+    tokens per step)."""
     from vllm.engine.arg_utils import EngineArgs
 
     spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 511}

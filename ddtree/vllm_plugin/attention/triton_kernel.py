@@ -5,9 +5,9 @@ layer; this kernel does the same in one launch: per (request, block of tree slot
 online softmax over the request's cached context (read through its block table) and then over
 its own tree slots (the new K/V of this step, read through the slots' token rows, masked by the
 ancestor mask). The GPU default (``DDTREE_TREE_ATTENTION=auto``). Checked against the merged
-path with Triton's CPU interpreter (tests/test_triton_tree_attention.py), in bf16 on an H200
-against a per-slot reference at 512 slots (tests/test_gpu_graphs.py), and inside vLLM on the
-H200 (benchmarks/results/h200_triton_2026-12-03/: the 8B-shape step 59 -> 14 ms).
+path with Triton's CPU interpreter (tests/test_triton_tree_attention.py) and in bf16 against a
+per-slot reference at 512 slots (tests/test_gpu_graphs.py). The V1 runner's GPU path; the V2
+runner's verify graphs use ``paged_tree_kernel``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
+#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~6 min)
+#   bash benchmarks/h200.sh smoke    # GPU tests + a few equality engines (~3 min)
+#   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
+#   bash benchmarks/h200.sh profile  # DDTree's step-time split at Qwen3-8B shapes (~4 min)
+#   bash benchmarks/h200.sh tree     # benchmarks/tree.py: tree build + walk timings (~2 min)
+# Results go to $OUT (the device tool brings them back).
+set -uo pipefail
+export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+git log -1 --format='%H %s' > "$OUT/commit.txt" 2>/dev/null || true
+gpu_tests() {
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
+}
+equality() {  # $1: seconds, $2: cases (default: all)
+  timeout "$1" python3 benchmarks/vllm_gpu_equality.py --out /tmp/eq ${2:+--cases "$2"} \
+    > "$OUT/equality.txt" 2>&1
+  cp /tmp/eq/summary.json "$OUT/equality_summary.json" 2>/dev/null
+  tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter .
+  cut -c1-400 "$OUT/equality.txt" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
+}
+case "$1" in
+smoke)
+  gpu_tests 240
+  equality 330 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtreetriton_64,pair_ddtree_255,random_nospec,random_ddtree_15
+  ;;
+check)
+  gpu_tests 300
+  equality 480
+  ;;
+bench)
+  timeout 300 python3 -m ddtree.cli bench --methods ar,dflash,ddtree --budgets 15,63,255 \
+    --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
+    --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
+  tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
+  tail -30 "$OUT/bench_pair.txt"
+  timeout 280 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,ddtree \
+    --budgets 15,63,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
+  tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
+  tail -20 "$OUT/bench_8b.txt"
+  ;;
+profile)
+  timeout 300 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods dflash,ddtree \
+    --budgets 63,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
+    --ddtree-profile 20 --title "profile" --out /tmp/prof_8b > "$OUT/prof_8b.txt" 2>&1
+  tar czf "$OUT/prof_8b.tgz" -C /tmp/prof_8b --exclude=models .
+  tail -30 "$OUT/prof_8b.txt"
+  ;;
+tree)
+  timeout 200 python3 benchmarks/tree.py --device cuda --out "$OUT/tree_h200.json" \
+    > "$OUT/tree.txt" 2>&1
+  tail -30 "$OUT/tree.txt"
+  ;;
+*)
+  echo "usage: bash benchmarks/h200.sh check|smoke|bench|profile|tree" >&2
+  exit 2
+  ;;
+esac
+ls -la "$OUT"
