@@ -18,11 +18,11 @@ def _batch(seed: int, budget: int, contexts: list[int]):
     num_reqs, slots = len(contexts), budget + 1
     trees = ddtree.build_tree(torch.randn(num_reqs, 15, 800, device="cuda", generator=gen) * 3,
                               budget)  # fmt: skip
-    num_blocks = 64 * num_reqs
+    num_blocks = 128 * num_reqs
     cache = torch.randn(num_blocks, BLOCK, KV_HEADS, 2 * HEAD, device="cuda", generator=gen)
     kv_cache = cache.bfloat16().permute(0, 2, 1, 3)  # logical view over NHD memory
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
-    tables = perm.view(num_reqs, 64).int()
+    tables = perm.view(num_reqs, 128).int()
     qsl = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32) * slots
     seq_lens = torch.tensor(contexts, device="cuda", dtype=torch.int32) + slots
     query = torch.randn(num_reqs * slots, HEADS, HEAD, device="cuda", generator=gen).bfloat16()

@@ -1,0 +1,84 @@
+"""Where a DDTree step's GPU time goes inside vLLM: torch.profiler over a few steps of an
+in-process engine (so the profiler sees the engine's kernels), kernels grouped and summed.
+
+    python benchmarks/profile_step.py --budget 63 --concurrency 16 --out DIR [--dummy-shapes]
+
+Writes DIR/profile_<engine>_c<c>.txt (top kernels by CUDA time, per step) and prints a
+summary line per run: ms of GPU time per engine step and the share of DDTree's own kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the profiler needs the engine here
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=int, default=63, help="0: vLLM's DFlash chain")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--dummy-shapes", action="store_true", help="Qwen3-8B shapes")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+    import vllm
+
+    from ddtree.bench.vllm import write_dummy_shapes
+    from ddtree.vllm_plugin.patches import register
+
+    register()  # the engine runs in this process: its plugin too, whether installed or not
+
+    root = Path(__file__).resolve().parent.parent
+    target, drafter = root / "models" / "target", root / "models" / "drafter"
+    extra = {}
+    if args.dummy_shapes:
+        target, drafter = write_dummy_shapes(args.out / "models")
+        extra = dict(load_format="dummy", skip_tokenizer_init=True)
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
+    if args.budget:
+        spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": args.budget}
+    llm = vllm.LLM(model=str(target), speculative_config=spec, dtype="bfloat16",
+                   max_model_len=2048, max_num_seqs=args.concurrency, seed=0,
+                   kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.05,
+                   disable_log_stats=False, **extra)  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(args.concurrency)]
+    params = vllm.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                 detokenize=False)  # fmt: skip
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles, first graphs
+
+    def steps() -> int:
+        return next(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total")
+
+    before = steps()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    num_steps = steps() - before
+    name = f"{'ddtree-' + str(args.budget) if args.budget else 'dflash'}_c{args.concurrency}"
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total_ms = sum(e.self_device_time_total for e in events) / 1e3
+    (args.out / f"profile_{name}.txt").write_text(
+        f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall per step, "
+        f"{total_ms / num_steps:.2f} ms GPU per step\n\n{table}\n"
+    )
+    print(f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall/step, "
+          f"{total_ms / num_steps:.2f} ms GPU/step")  # fmt: skip
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    for e in top:
+        print(f"  {e.self_device_time_total / 1e3 / num_steps:7.3f} ms/step {e.count // max(num_steps, 1):4d}x "
+              f"{e.key[:90]}")  # fmt: skip
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
