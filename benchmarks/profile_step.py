@@ -56,8 +56,8 @@ def main() -> None:
         return next(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total")
 
     before = steps()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
@@ -75,8 +75,8 @@ def main() -> None:
           f"{total_ms / num_steps:.2f} ms GPU/step")  # fmt: skip
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     for e in top:
-        print(f"  {e.self_device_time_total / 1e3 / num_steps:7.3f} ms/step {e.count // max(num_steps, 1):4d}x "
-              f"{e.key[:90]}")  # fmt: skip
+        per_step = e.self_device_time_total / 1e3 / num_steps
+        print(f"  {per_step:7.3f} ms/step {e.count // num_steps:4d}x {e.key[:90]}")
     llm.llm_engine.engine_core.shutdown()
 
 
