@@ -13,6 +13,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def sort_size(n: int) -> int:
+    """A bitonic network's size for ``n`` keys: a power of two, at least 16 (``tl.topk`` and
+    ``tl.sort`` need two or more elements; tiny networks gain nothing)."""
+    return max(16, next_pow2(n))
+
+
 @triton.jit
 def order_key(x):
     """int32 ordered like the float32 values ``x``, -0.0 folded into +0.0 (``tree._order_bits``)."""

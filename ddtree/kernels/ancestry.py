@@ -20,7 +20,8 @@ def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
     ``mask[i, 32 w + j]`` (the torch reference of the kernel's packed bits)."""
     batch, n_slots, _ = mask.shape
     words = -(-n_slots // 32)
-    padded = torch.nn.functional.pad(mask, (0, 32 * words - n_slots)).view(batch, n_slots, words, 32)
+    padded = torch.nn.functional.pad(mask, (0, 32 * words - n_slots))
+    padded = padded.view(batch, n_slots, words, 32)
     weights = torch.ones(32, dtype=torch.long, device=mask.device) << torch.arange(
         32, device=mask.device
     )
@@ -31,7 +32,7 @@ def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _ancestry_kernel(
     parents_ptr, ancestors_ptr, bits_ptr, mask_ptr, n_slots, depth, n_words,
-    ROWS: tl.constexpr, WP: tl.constexpr, COLS: tl.constexpr,
+    ROWS: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     slot = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -51,15 +52,24 @@ def _ancestry_kernel(
         bits,
         mask=ok[:, None] & (word[None, :] < n_words),
     )
-    for start in range(0, n_slots, COLS):
-        col = start + tl.arange(0, COLS)
-        in_word = tl.gather(bits, tl.broadcast_to((col // 32)[None, :], [ROWS, COLS]), 1)
-        seen = (in_word >> (col % 32)[None, :]) & 1
+    # Mask rows, GROUP words (32 * GROUP columns) at a time; the words are picked by a masked
+    # sum rather than a gather along dim 1 (which Triton 3.6 fails to compile for sm_90).
+    group = tl.arange(0, GROUP)
+    lane = tl.arange(0, 32)
+    for first in range(0, n_words, GROUP):
+        pick = word[None, None, :] == (first + group)[None, :, None]  # [1, GROUP, WP]
+        words = tl.sum(tl.where(pick, bits[:, None, :], 0), 2)  # [ROWS, GROUP]
+        seen = (words[:, :, None] >> lane[None, None, :]) & 1  # [ROWS, GROUP, 32]
+        col = 32 * (first + group)[:, None] + lane[None, :]  # [GROUP, 32]
         tl.store(
-            mask_ptr + rows[:, None] * n_slots + col[None, :],
+            mask_ptr + rows[:, None, None] * n_slots + col[None, :, :],
             seen.to(tl.uint8),
-            mask=ok[:, None] & (col[None, :] < n_slots),
+            mask=ok[:, None, None] & (col < n_slots)[None, :, :],
         )
+
+
+def rows_per_program(n_slots: int) -> int:
+    return 16 if n_slots > 256 else 8
 
 
 def ancestry(
@@ -73,8 +83,8 @@ def ancestry(
     bool ``[b, N, N]`` (all contiguous) from ``parents`` long ``[b, N]``."""
     batch, n_slots = parents.shape
     n_words = -(-n_slots // 32)
-    rows = 16 if n_slots > 256 else 8
+    rows = rows_per_program(n_slots)
     _ancestry_kernel[(batch, triton.cdiv(n_slots, rows))](
         parents, ancestors, bits, mask.view(torch.uint8), n_slots, depth, n_words,
-        ROWS=rows, WP=next_pow2(n_words), COLS=min(128, next_pow2(n_slots)), num_warps=4,
+        ROWS=rows, WP=next_pow2(n_words), GROUP=min(4, next_pow2(n_words)), num_warps=4,
     )  # fmt: skip

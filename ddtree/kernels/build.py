@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.kernels._common import next_pow2
+from ddtree.kernels._common import next_pow2, sort_size
 from ddtree.kernels.ancestry import ancestry
 from ddtree.kernels.tree_build import _tree_kernel
 from ddtree.kernels.vocab_topk import VocabWorkspace, draft_topk_fused, vocab_workspace
@@ -68,7 +68,7 @@ def tree_buffers(
 ) -> TreeBuffers:
     k = min(budget, vocab)
     n_slots = budget + 1
-    beam = next_pow2(budget)
+    beam = sort_size(budget)
 
     def empty(*shape, dtype=torch.long):
         return torch.empty(*shape, dtype=dtype, device=device)
@@ -99,12 +99,10 @@ def _check_budget(budget: int) -> None:
         raise FusedUnavailable(f"fused tree build supports budgets <= {MAX_FUSED_BUDGET}")
 
 
-def candidate_sizes(budget: int, k: int) -> tuple[int, ...]:
-    """The bitonic sizes of the tree kernel's per-depth candidate sort: powers of 4 from 64 up
-    to the most candidates a depth can have (sum over parents i of min(k, budget // (i+1)))."""
-    most = sum(min(k, budget // (i + 1)) for i in range(budget))
-    top = next_pow2(max(most, 1))
-    return tuple(min(size, top) for size in (64, 256, 1024, 4096)) + (top,)
+def tree_num_warps(budget: int) -> int:
+    """Warps of the tree kernel: its beam-sized vectors are 4..16 elements per thread."""
+    beam = sort_size(budget)
+    return 4 if beam <= 64 else (8 if beam <= 256 else 16)
 
 
 def tree_from_ranked_fused(
@@ -115,8 +113,8 @@ def tree_from_ranked_fused(
     chain_seed: bool = False,
     buffers: TreeBuffers | None = None,
 ) -> DraftTree:
-    """:func:`ddtree.tree.tree_from_ranked` in two launches (tree kernel + ancestry), from ranked
-    ``logprobs`` float32 and ``token_ids`` long ``[b, D, k]``, ``k = min(budget, V)``, budget >= 1."""
+    """:func:`ddtree.tree.tree_from_ranked` in two launches (tree kernel + ancestry), from the
+    ranked ``logprobs`` float32 and ``token_ids`` long ``[b, D, k]``, ``k = min(budget, V)``."""
     check_device(logprobs, token_ids)
     _check_budget(budget)
     batch, depth, k = logprobs.shape
@@ -127,16 +125,15 @@ def tree_from_ranked_fused(
     if buffers is None:
         buffers = tree_buffers(batch, depth, k, budget, logprobs.device, with_vocab_stage=False)
     tree = buffers.tree
-    beam = next_pow2(budget)
-    sizes = candidate_sizes(budget, k)
+    beam = sort_size(budget)
     _tree_kernel[(batch,)](
         logprobs, token_ids, k, budget, depth,
         buffers.list_score, buffers.list_parent, buffers.list_rank,
         tree.tokens, tree.parents, tree.depths, tree.scores, tree.num_nodes,
         CHAIN=chain_seed, BP=beam, LOG2_BP=beam.bit_length() - 1, KP=next_pow2(k),
         LOG2_KP=next_pow2(k).bit_length() - 1, DP=next_pow2(depth), NP=next_pow2(budget + 1),
-        S1=sizes[0], S2=sizes[1], S3=sizes[2], S4=sizes[3], S5=sizes[4],
-        num_warps=4 if beam <= 64 else (8 if beam <= 256 else 16),
+        S1=min(64, beam), S2=min(256, beam),
+        num_warps=tree_num_warps(budget),
     )  # fmt: skip
     ancestry(tree.parents, depth, tree.ancestors, tree.ancestor_bits, tree.mask)
     return tree

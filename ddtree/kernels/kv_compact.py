@@ -72,17 +72,18 @@ class KVLayers:
         if any(g % size for g in gaps):
             raise ValueError("KVLayers: layer storage is not aligned to the element size")
         self.first = first
-        self.offsets = torch.tensor([g // size for g in gaps], dtype=torch.long, device=first.device)
+        self.offsets = torch.tensor([g // size for g in gaps], dtype=torch.long)
+        self.offsets = self.offsets.to(first.device)  # [layers]: element offset from layer 0
         if first.dim() == 4:  # [num_blocks, kv_heads, block_size, 2 * head_dim]
             self.parts, self.s_part = 1, 0
             self.block_size = first.shape[2]
             self.heads, self.width = first.shape[1], first.shape[3]
-            self.s_block, self.s_head, self.s_offset = first.stride(0), first.stride(1), first.stride(2)
+            self.s_block, self.s_head, self.s_offset = (first.stride(i) for i in (0, 1, 2))
         elif first.dim() == 5 and first.shape[0] == 2:  # [2, num_blocks, block_size, kvh, hd]
             self.parts, self.s_part = 2, first.stride(0)
             self.block_size = first.shape[2]
             self.heads, self.width = first.shape[3], first.shape[4]
-            self.s_block, self.s_offset, self.s_head = first.stride(1), first.stride(2), first.stride(3)
+            self.s_block, self.s_offset, self.s_head = (first.stride(i) for i in (1, 2, 3))
         else:
             raise ValueError(f"KVLayers: unknown cache layout {tuple(first.shape)}")
 

@@ -11,8 +11,8 @@ prefix of the torch beam (same positions), and every tree node is among them. Pe
    of token ranks r with ``(i+1)(r+1) <= budget`` (the torch pruning) and ``score_i + lp[r] >=
    bound``: a binary search, since the log-probs are sorted.
 2. those candidates, enumerated in (parent, rank) order (the torch tie-break order), sorted by
-   (score desc, enumeration index) in a bitonic network sized to the candidate count (a runtime
-   branch over a few power-of-two sizes), the best ``budget`` kept.
+   (score desc, enumeration index) in a bitonic network of 64, 256 or the beam width (a runtime
+   branch on the count); beyond the beam width, beam-sized chunks sorted and bitonic-merged.
 3. merged (bitonic merge) into ``top``, the best ``budget`` prefixes so far in the global order
    (score desc, depth asc, position asc), which gives the new ``bound``.
 
@@ -20,7 +20,7 @@ Once no candidate reaches ``bound``, no deeper one can (scores only fall): the r
 hold only the argmax chain (for ``chain_seed``). ``top`` ends as the torch global top-``budget``;
 with ``chain_seed`` the chain (position 0 of the first min(D, budget) depths) plus the best
 ``budget - min(D, budget)`` other prefixes of ``top``. Nodes are laid out by (depth, position).
-Typical cost: a few full-size depths (B=1024: sorts of <= 4096) and cheap ones after.
+Typical cost: a few full-size depths (B=1024: a few sorts of 1024) and cheap ones after.
 """
 
 from __future__ import annotations
@@ -36,16 +36,15 @@ from ddtree.kernels._common import (
     packed_value,
 )
 
-EMPTY = -(2**63)
+EMPTY = tl.constexpr(-(2**63))  # an empty key slot: below every packed key
 
 
 @triton.jit
 def _bitonic_merge_desc(x, LOG2N: tl.constexpr):
     """Sort a bitonic sequence ``x [2**LOG2N]`` descending (half-cleaners, stride halving)."""
     N: tl.constexpr = 1 << LOG2N
-    for s in tl.static_range(LOG2N):
-        STRIDE: tl.constexpr = 1 << (LOG2N - 1 - s)
-        pairs = tl.reshape(x, [N // (2 * STRIDE), 2, STRIDE])
+    for s in tl.static_range(LOG2N):  # compare-exchange at stride 2**(LOG2N-1-s)
+        pairs = tl.reshape(x, [1 << s, 2, 1 << (LOG2N - 1 - s)])
         hi = tl.max(pairs, 1)
         lo = tl.min(pairs, 1)
         x = tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), [N])
@@ -85,54 +84,52 @@ def _count_children(score, lp, cap, bound, KP: tl.constexpr, STEPS: tl.constexpr
 
 
 @triton.jit
-def _decode(best, row, rank, num_new, O: tl.constexpr, BP: tl.constexpr):
-    """Sorted candidate keys ``best [O]`` -> (score, parent position, rank) ``[BP]`` each."""
-    if O < BP:  # pad to the beam width
-        q = tl.arange(0, BP)
-        best = tl.gather(best, tl.minimum(q, O - 1), 0)
-    q = tl.arange(0, BP)
-    ok = q < num_new
-    cand = tl.where(ok, packed_index(best), 0)
-    score = tl.where(ok, packed_value(best), float("-inf"))
-    parent = tl.where(ok, tl.gather(row, cand, 0), 0)
-    rank = tl.where(ok, tl.gather(rank, cand, 0), 0)
-    return score, parent, rank
+def _sorted_candidates(score, lp, start, num, first,
+                       BP: tl.constexpr, KP: tl.constexpr, SIZE: tl.constexpr,
+                       LOG2_BP: tl.constexpr):  # fmt: skip
+    """Keys of candidates ``first .. first+SIZE-1`` (of ``num``, enumerated in (parent, rank)
+    order; ``start [BP]`` = each frontier prefix's first index), sorted descending ``[SIZE]``."""
+    cand = first + tl.arange(0, SIZE)
+    row = tl.maximum(count_le(start, cand, BP, LOG2_BP + 1) - 1, 0)  # frontier prefix
+    rank = cand - tl.gather(start, row, 0)
+    value = tl.gather(score, row, 0) + tl.gather(lp, tl.minimum(rank, KP - 1), 0)
+    keys = tl.where(cand < num, pack_key(order_key(value), cand), EMPTY)
+    return tl.sort(keys, descending=True)
+
+
+@triton.jit
+def _padded(keys, SIZE: tl.constexpr, BP: tl.constexpr):
+    """``keys [SIZE <= BP]`` widened to ``[BP]`` (the tail repeats the last key; masked later)."""
+    if SIZE < BP:
+        keys = tl.gather(keys, tl.minimum(tl.arange(0, BP), SIZE - 1), 0)
+    return keys
 
 
 @triton.jit
 def _next_list(score, lp, cnt, num, budget,
-               BP: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, LOG2_BP: tl.constexpr):  # fmt: skip
-    """The best min(num, budget) of the ``num <= S`` candidates counted in ``cnt [BP]``."""
+               BP: tl.constexpr, KP: tl.constexpr, LOG2_BP: tl.constexpr,
+               S1: tl.constexpr, S2: tl.constexpr):  # fmt: skip
+    """The best min(num, budget) of the ``num`` candidates counted in ``cnt [BP]``, as (score,
+    parent position, rank) ``[BP]``: one sort of S1 or S2 <= BP keys when they hold ``num``,
+    else chunks of BP keys, each sorted and merged into the best so far."""
     start = tl.cumsum(cnt, 0) - cnt  # [BP]: first enumeration index of each frontier prefix
-    cand = tl.arange(0, S)
-    row = tl.maximum(count_le(start, cand, BP, LOG2_BP + 1) - 1, 0)  # [S]: its frontier prefix
-    rank = cand - tl.gather(start, row, 0)
-    value = tl.gather(score, row, 0) + tl.gather(lp, tl.minimum(rank, KP - 1), 0)
-    keys = tl.where(cand < num, pack_key(order_key(value), cand), EMPTY)
-    num_new = tl.minimum(num, budget)
-    if S > BP:
-        return _decode(tl.topk(keys, BP), row, rank, num_new, BP, BP)
-    else:
-        return _decode(tl.sort(keys, descending=True), row, rank, num_new, S, BP)
-
-
-@triton.jit
-def _next_list_bucketed(score, lp, cnt, num, budget,
-                        BP: tl.constexpr, KP: tl.constexpr, LOG2_BP: tl.constexpr,
-                        S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-                        S4: tl.constexpr, S5: tl.constexpr):  # fmt: skip
-    """:func:`_next_list` at the smallest of the sizes S1 < ... <= S5 that holds ``num``."""
     if num <= S1:
-        a, b, c = _next_list(score, lp, cnt, num, budget, BP, KP, S1, LOG2_BP)
+        best = _padded(_sorted_candidates(score, lp, start, num, 0, BP, KP, S1, LOG2_BP), S1, BP)
     elif num <= S2:
-        a, b, c = _next_list(score, lp, cnt, num, budget, BP, KP, S2, LOG2_BP)
-    elif num <= S3:
-        a, b, c = _next_list(score, lp, cnt, num, budget, BP, KP, S3, LOG2_BP)
-    elif num <= S4:
-        a, b, c = _next_list(score, lp, cnt, num, budget, BP, KP, S4, LOG2_BP)
+        best = _padded(_sorted_candidates(score, lp, start, num, 0, BP, KP, S2, LOG2_BP), S2, BP)
     else:
-        a, b, c = _next_list(score, lp, cnt, num, budget, BP, KP, S5, LOG2_BP)
-    return a, b, c
+        best = _sorted_candidates(score, lp, start, num, 0, BP, KP, BP, LOG2_BP)
+        for first in range(BP, num, BP):
+            chunk = _sorted_candidates(score, lp, start, num, first, BP, KP, BP, LOG2_BP)
+            best = _merge_top(best, chunk, BP, LOG2_BP)
+    pos = tl.arange(0, BP)
+    ok = pos < tl.minimum(num, budget)
+    cand = tl.where(ok, packed_index(best), 0)
+    row = tl.maximum(count_le(start, cand, BP, LOG2_BP + 1) - 1, 0)
+    new_score = tl.where(ok, packed_value(best), float("-inf"))
+    new_parent = tl.where(ok, row, 0)
+    new_rank = tl.where(ok, cand - tl.gather(start, row, 0), 0)
+    return new_score, new_parent, new_rank
 
 
 @triton.jit
@@ -142,7 +139,7 @@ def _tree_kernel(
     tokens_ptr, parents_ptr, depths_ptr, scores_ptr, num_nodes_ptr,
     CHAIN: tl.constexpr, BP: tl.constexpr, LOG2_BP: tl.constexpr, KP: tl.constexpr,
     LOG2_KP: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr,
-    S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr, S5: tl.constexpr,
+    S1: tl.constexpr, S2: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     pos = tl.arange(0, BP)
@@ -175,8 +172,8 @@ def _tree_kernel(
             new_rank = tl.zeros([BP], tl.int32)
             num = tl.full([], 1, tl.int32)
         else:
-            new_score, new_parent, new_rank = _next_list_bucketed(
-                score, lp, cnt, total, budget, BP, KP, LOG2_BP, S1, S2, S3, S4, S5
+            new_score, new_parent, new_rank = _next_list(
+                score, lp, cnt, total, budget, BP, KP, LOG2_BP, S1, S2
             )
             num = tl.minimum(total, budget)
         cell = lists + d * BP + pos

@@ -29,11 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels._common import key_value, next_pow2, order_key, pack_key, packed_index
+from ddtree.kernels._common import (
+    key_value,
+    next_pow2,
+    order_key,
+    pack_key,
+    packed_index,
+    sort_size,
+)
 from ddtree.tree import LOGPROB_FLOOR
 
 SEGMENT = 8192  # tokens of a row per program in the streaming kernels (32 per thread at 8 warps)
 MAX_CHUNK = 16  # tokens per chunk maximum; smaller only when the row has too few chunks
+MIN_CAP = 256  # survivors a row's buffer holds at least (2 x k rounded up otherwise)
 
 
 @triton.jit
@@ -205,7 +213,7 @@ def _plan(vocab: int, k: int) -> tuple[int, int, int, int, int]:
     while chunk > 1 and num_seg * (segment // chunk) < 2 * k:
         chunk //= 2
     per_seg = min(segment // chunk, next_pow2(max(16, -(-2 * k // num_seg))))
-    cap = max(256, 2 * next_pow2(k))
+    cap = max(MIN_CAP, 2 * sort_size(k))
     return segment, num_seg, chunk, per_seg, cap
 
 
@@ -266,6 +274,6 @@ def draft_topk_fused(
     _select_kernel[(rows,)](
         draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.lse, ws.buf,
         logprobs, token_ids, k, LOGPROB_FLOOR,
-        CAP=cap, KP=next_pow2(k), TILE=min(segment, 4096), num_warps=8 if cap > 512 else 4,
+        CAP=cap, KP=sort_size(k), TILE=min(segment, 4096), num_warps=8 if cap > 512 else 4,
     )  # fmt: skip
     return logprobs, token_ids
