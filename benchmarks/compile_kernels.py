@@ -45,12 +45,12 @@ def compile_one(name, fn, signature, constexprs, num_warps, arch) -> dict:
             check=True,
         ).stdout
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # per-thread frame: spills
     row = {
         "kernel": name,
         "warps": num_warps,
         "registers": regs,
-        "spill_bytes": local,
+        "stack_bytes": stack,
         "shared_bytes": kernel.metadata.shared,
         "compile_s": round(seconds, 1),
     }

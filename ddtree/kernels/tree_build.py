@@ -40,25 +40,26 @@ EMPTY = tl.constexpr(-(2**63))  # an empty key slot: below every packed key
 
 
 @triton.jit
-def _bitonic_merge_desc(x, LOG2N: tl.constexpr):
-    """Sort a bitonic sequence ``x [2**LOG2N]`` descending (half-cleaners, stride halving)."""
-    N: tl.constexpr = 1 << LOG2N
-    for s in tl.static_range(LOG2N):  # compare-exchange at stride 2**(LOG2N-1-s)
-        pairs = tl.reshape(x, [1 << s, 2, 1 << (LOG2N - 1 - s)])
-        hi = tl.max(pairs, 1)
-        lo = tl.min(pairs, 1)
-        x = tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), [N])
-    return x
+def _compare_exchange_desc(h, AXIS: tl.constexpr, DIMS: tl.constexpr):
+    """One half-cleaner step on the hypercube ``h [2] * DIMS`` along ``AXIS``: the 0 side keeps
+    the max of each pair, the 1 side the min. The partner comes from an xor-sum over the pair
+    (a ^ (a ^ b) = b), which stays in registers or shuffles, unlike a reshape/permute."""
+    partner = h ^ tl.xor_sum(h, AXIS, keep_dims=True)
+    side = tl.reshape(tl.arange(0, 2), [1] * AXIS + [2] + [1] * (DIMS - 1 - AXIS))
+    return tl.where(side == 1, tl.minimum(h, partner), tl.maximum(h, partner))
 
 
 @triton.jit
 def _merge_top(top, new, BP: tl.constexpr, LOG2_BP: tl.constexpr):
-    """The best ``BP`` of two descending key lists ``[BP]``."""
-    pos = tl.arange(0, BP)
-    rising = tl.gather(new, BP - 1 - pos, 0)
-    both = tl.reshape(tl.permute(tl.join(top, rising), (1, 0)), [2 * BP])  # top ++ rising
-    both = _bitonic_merge_desc(both, LOG2_BP + 1)
-    best, _ = tl.split(tl.permute(tl.reshape(both, [2, BP]), (1, 0)))
+    """The best ``BP`` of two descending int64 key lists ``[BP]``: a bitonic merge of ``top``
+    followed by ``new`` reversed, on the hypercube [i bits..., list bit]."""
+    rising = tl.gather(new, BP - 1 - tl.arange(0, BP), 0)
+    DIMS: tl.constexpr = LOG2_BP + 1
+    h = tl.reshape(tl.join(top, rising), [2] * DIMS)  # merged index = list * BP + i
+    h = _compare_exchange_desc(h, DIMS - 1, DIMS)  # stride BP: the list bit
+    for axis in tl.static_range(LOG2_BP):  # then the bits of i, most significant first
+        h = _compare_exchange_desc(h, axis, DIMS)
+    best, _ = tl.split(tl.reshape(h, [BP, 2]))
     return best
 
 
