@@ -84,7 +84,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         vocab_topk._compact_kernel,
         {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
          "thresh_ptr": "*i32", "count_ptr": "*i32", "buf_ptr": "*i64"},
-        {"CAP": cap, "SEGMENT": segment},
+        {"CAP": cap, "SEGMENT": segment, "TILE": min(segment, 2048)},
         8, arch,
     )  # fmt: skip
     compile_one(

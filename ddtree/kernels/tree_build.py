@@ -156,38 +156,38 @@ def _tree_kernel(
     tl.store(list_rank_ptr + lists + pos, pos, mask=pos < num)
     top = tl.where(pos < num, pack_key(order_key(score), pos), EMPTY)  # [BP] global order
     bound = _bound(top, budget, BP)
+    chain = tl.load(lp_row)  # the argmax chain's score: position 0 of every depth
     active = tl.full([], 1, tl.int1)
 
     for d in range(1, depth):
-        lp = tl.load(lp_row + d * k + kk, mask=kk < k, other=float("-inf"))  # [KP] descending
-        cnt = tl.zeros([BP], tl.int32)
-        if active:
-            cap = tl.where(pos < num, tl.minimum(k, budget // (pos + 1)), 0)
-            cnt = _count_children(score, lp, cap, bound, KP, LOG2_KP + 1)
-        total = tl.sum(cnt, 0)
-        if total == 0:  # nothing reaches the bound here or deeper: only the argmax chain
-            active = tl.full([], 0, tl.int1)
-            chain = tl.max(tl.where(pos == 0, score, float("-inf")), 0) + tl.load(lp_row + d * k)
-            new_score = tl.where(pos == 0, chain, float("-inf"))
-            new_parent = tl.zeros([BP], tl.int32)
-            new_rank = tl.zeros([BP], tl.int32)
-            num = tl.full([], 1, tl.int32)
-        else:
-            new_score, new_parent, new_rank = _next_list(
-                score, lp, cnt, total, budget, BP, KP, LOG2_BP, S1, S2
-            )
-            num = tl.minimum(total, budget)
+        chain += tl.load(lp_row + d * k)  # = score[0] + lp[0], as the torch beam sums it
         cell = lists + d * BP + pos
-        tl.store(list_score_ptr + cell, new_score, mask=pos < num)
-        tl.store(list_parent_ptr + cell, new_parent, mask=pos < num)
-        tl.store(list_rank_ptr + cell, new_rank, mask=pos < num)
+        total = tl.zeros([], tl.int32)
         if active:
-            new_keys = tl.where(pos < num, pack_key(order_key(new_score), d * BP + pos), EMPTY)
-            last = tl.sum(tl.where(pos == budget - 1, top, 0), 0)
-            if tl.max(new_keys, 0) > last:  # else nothing of this depth enters the top
-                top = _merge_top(top, new_keys, BP, LOG2_BP)
-                bound = _bound(top, budget, BP)
-        score = new_score
+            lp = tl.load(lp_row + d * k + kk, mask=kk < k, other=float("-inf"))  # descending
+            cap = tl.where(pos < num, tl.minimum(k, budget // (pos + 1)), 0)
+            cnt = _count_children(score, lp, cap, bound, KP, LOG2_KP + 1)  # [BP]
+            total = tl.sum(cnt, 0)
+            if total > 0:
+                score, parent, rank = _next_list(
+                    score, lp, cnt, total, budget, BP, KP, LOG2_BP, S1, S2
+                )
+                num = tl.minimum(total, budget)
+                tl.store(list_score_ptr + cell, score, mask=pos < num)
+                tl.store(list_parent_ptr + cell, parent, mask=pos < num)
+                tl.store(list_rank_ptr + cell, rank, mask=pos < num)
+                new_keys = tl.where(pos < num, pack_key(order_key(score), d * BP + pos), EMPTY)
+                last = tl.sum(tl.where(pos == budget - 1, top, 0), 0)
+                if tl.max(new_keys, 0) > last:  # else nothing of this depth enters the top
+                    top = _merge_top(top, new_keys, BP, LOG2_BP)
+                    bound = _bound(top, budget, BP)
+        if total == 0:
+            # Nothing reaches the bound here, so nothing deeper will (scores only fall): from
+            # now on each depth keeps only the argmax chain's prefix (for chain_seed).
+            active = tl.full([], 0, tl.int1)
+            tl.store(list_score_ptr + lists + d * BP, chain)
+            tl.store(list_parent_ptr + lists + d * BP, 0)
+            tl.store(list_rank_ptr + lists + d * BP, 0)
 
     # The chosen nodes: per depth a prefix of positions, c[d] of them.
     in_top = (top != EMPTY) & (pos < budget)

@@ -111,20 +111,22 @@ def _threshold_kernel(
 @triton.jit
 def _compact_kernel(
     logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, count_ptr, buf_ptr,
-    CAP: tl.constexpr, SEGMENT: tl.constexpr,
+    CAP: tl.constexpr, SEGMENT: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     seg = tl.program_id(1)
-    ids = seg * SEGMENT + tl.arange(0, SEGMENT)
-    real = ids < vocab
-    x = tl.load(_row_base(logits_ptr, row, depth, s_b, s_d) + ids, mask=real, other=0.0)
-    key = order_key(x.to(tl.float32))
-    keep = real & (key >= tl.load(thresh_ptr + 2 * row))
-    num = tl.sum(keep.to(tl.int32), 0)
-    if num > 0:
-        start = tl.atomic_add(count_ptr + row, num)
-        slot = start + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(buf_ptr + row * CAP + slot, pack_key(key, ids), mask=keep & (slot < CAP))
+    base = _row_base(logits_ptr, row, depth, s_b, s_d)
+    threshold = tl.load(thresh_ptr + 2 * row)
+    for first in tl.static_range(0, SEGMENT, TILE):  # tiles keep the registers low
+        ids = seg * SEGMENT + first + tl.arange(0, TILE)
+        real = ids < vocab
+        key = order_key(tl.load(base + ids, mask=real, other=0.0).to(tl.float32))
+        keep = real & (key >= threshold)
+        num = tl.sum(keep.to(tl.int32), 0)
+        if num > 0:
+            start = tl.atomic_add(count_ptr + row, num)
+            slot = start + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(buf_ptr + row * CAP + slot, pack_key(key, ids), mask=keep & (slot < CAP))
 
 
 @triton.jit
@@ -269,7 +271,7 @@ def draft_topk_fused(
     )  # fmt: skip
     _compact_kernel[(rows, num_seg)](
         draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.buf,
-        CAP=cap, SEGMENT=segment, num_warps=8,
+        CAP=cap, SEGMENT=segment, TILE=min(segment, 2048), num_warps=8,
     )  # fmt: skip
     _select_kernel[(rows,)](
         draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.lse, ws.buf,
