@@ -250,7 +250,7 @@ def pad_tree(tree: DraftTree, num_slots: int) -> DraftTree:
 
 
 def _gather_tree(tree: DraftTree, index: torch.Tensor) -> DraftTree:
-    fields = tree.__dataclass_fields__
+    fields = [k for k in tree.__dataclass_fields__ if getattr(tree, k) is not None]
     return DraftTree(**{k: getattr(tree, k).index_select(0, index) for k in fields})
 
 
@@ -619,8 +619,9 @@ def _proposal(
     have no tree) and their node tokens ``[R, budget]`` for vLLM (padding as token 0)."""
     trees = tree_from_ranked(logprobs, token_ids, budget, chain_seed=chain_seed)
     padding = padding_tree(1, 1 + budget, logprobs.shape[1], logprobs.device)
+    fields = [k for k in trees.__dataclass_fields__ if getattr(trees, k) is not None]
     proposal = DraftTree(**{
-        k: torch.cat([getattr(trees, k), getattr(padding, k)]) for k in trees.__dataclass_fields__
+        k: torch.cat([getattr(trees, k), getattr(padding, k)]) for k in fields
     })  # fmt: skip
     nodes = trees.tokens[:, 1:]
     return proposal, torch.where(nodes >= 0, nodes, 0)
