@@ -61,23 +61,24 @@ def compile_one(name, fn, signature, constexprs, num_warps, arch) -> dict:
 def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arch: int):
     """Compile the kernels of one build + walk + ancestry at these shapes."""
     k = min(budget, vocab)
-    segment, num_seg, chunk, per_seg, cap = vocab_topk._plan(vocab, k)
+    segment, num_seg, chunk, cap_small, cap = vocab_topk._plan(vocab, k)
+    n_chunks = num_seg * (segment // chunk)
     tag = f"V={vocab} B={budget} {dtype}"
     compile_one(
         f"vocab._segment_kernel {tag}",
         vocab_topk._segment_kernel,
         {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
-         "stats_ptr": "*fp32", "lists_ptr": "*i32"},
-        {"SEGMENT": segment, "CHUNK": chunk, "L": per_seg},
+         "stats_ptr": "*fp32", "chunks_ptr": "*i32"},
+        {"SEGMENT": segment, "CHUNK": chunk},
         8, arch,
     )  # fmt: skip
     compile_one(
         f"vocab._threshold_kernel {tag}",
         vocab_topk._threshold_kernel,
-        {"stats_ptr": "*fp32", "lists_ptr": "*i32", "lse_ptr": "*fp32", "thresh_ptr": "*i32",
-         "count_ptr": "*i32", "num_seg": "i32", "k": "i32"},
-        {"L": per_seg, "SEG_P": next_pow2(num_seg)},
-        4, arch,
+        {"stats_ptr": "*fp32", "chunks_ptr": "*i32", "lse_ptr": "*fp32", "thresh_ptr": "*i32",
+         "count_ptr": "*i32", "num_seg": "i32", "n_chunks": "i32", "k": "i32"},
+        {"NK": next_pow2(n_chunks), "SEG_P": next_pow2(num_seg)},
+        vocab_topk.threshold_num_warps(n_chunks), arch,
     )  # fmt: skip
     compile_one(
         f"vocab._compact_kernel {tag}",
@@ -92,9 +93,10 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         vocab_topk._select_kernel,
         {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
          "thresh_ptr": "*i32", "count_ptr": "*i32", "lse_ptr": "*fp32", "buf_ptr": "*i64",
-         "logprobs_ptr": "*fp32", "ids_ptr": "*i64", "k": "i32", "floor": "fp32"},
-        {"CAP": cap, "KP": sort_size(k), "TILE": min(segment, 4096)},
-        8 if cap > 512 else 4, arch,
+         "picked_ptr": "*i64", "logprobs_ptr": "*fp32", "ids_ptr": "*i64", "k": "i32",
+         "floor": "fp32"},
+        {"CAP_SMALL": cap_small, "CAP": cap, "KP": sort_size(k), "TILE": min(segment, 4096)},
+        vocab_topk.select_num_warps(cap), arch,
     )  # fmt: skip
     beam = sort_size(budget)
     for chain in (False, True):

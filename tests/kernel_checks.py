@@ -18,6 +18,17 @@ TREE_FIELDS = ("tokens", "parents", "depths", "mask", "scores", "ancestors", "nu
 WALK_FIELDS = ("path", "num_accepted", "bonus", "emitted", "accepted")
 
 
+def clustered_logits(kind: str, batch: int, depth: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits whose best tokens sit together in id space (the vocabulary stage's hard case):
+    ``sorted``: descending by id; ``block``: a hot block of ids over a cold rest."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(batch, depth, vocab, generator=gen)
+    if kind == "sorted":
+        return noise.sort(-1, descending=True).values * 3
+    hot = torch.arange(vocab) < max(1, vocab // 50)
+    return noise + 5 * hot
+
+
 def lse_tolerance(lse: torch.Tensor) -> torch.Tensor:
     """What the fused lse may differ from torch.logsumexp by (float rounding of the sum)."""
     return 1e-5 * lse.abs().clamp(min=1.0)

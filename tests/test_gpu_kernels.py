@@ -18,6 +18,7 @@ from kernel_checks import (
     check_tree,
     check_vocab,
     check_walk,
+    clustered_logits,
 )
 
 pytestmark = pytest.mark.gpu
@@ -28,14 +29,15 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 
 def real_logits(kind: str, batch: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return make_logits(kind, batch, DEPTH, VOCAB, seed).to("cuda", dtype)
+    make = clustered_logits if kind in ("sorted", "block") else make_logits
+    return make(kind, batch, DEPTH, VOCAB, seed).to("cuda", dtype)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     st.integers(1, 32),
     st.sampled_from(BUDGETS),
-    st.sampled_from(KINDS),
+    st.sampled_from((*KINDS, "sorted", "block")),
     st.sampled_from(DTYPES),
     st.integers(0, 2**31 - 1),
 )

@@ -62,6 +62,7 @@ else:
         check_tree,
         check_vocab,
         check_walk,
+        clustered_logits,
     )
 
     DTYPES = (torch.float32, torch.bfloat16)
@@ -77,13 +78,14 @@ else:
         st.integers(1, 2),  # depth
         st.integers(2, 1500),  # vocab
         st.integers(1, 32),  # k (clamped to the vocabulary)
-        st.sampled_from(KINDS),
+        st.sampled_from((*KINDS, "sorted", "block")),
         st.sampled_from(DTYPES),
         st.sampled_from((256, 1024)),  # tokens per program: several programs per row
         st.integers(0, 2**31 - 1),
     )
     def test_vocab_stage(batch, depth, vocab, k, kind, dtype, segment, seed):
-        logits = make_logits(kind, batch, depth, vocab, seed).to(dtype)
+        make = clustered_logits if kind in ("sorted", "block") else make_logits
+        logits = make(kind, batch, depth, vocab, seed).to(dtype)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(vocab_topk, "SEGMENT", segment)
             check_vocab(logits, min(k, vocab))
