@@ -149,6 +149,7 @@ def check_compact_kv(
         src.append([context + 1 + max(p, j) for j, p in enumerate(path)])
     src = torch.tensor(src, device=device)
     dst = torch.tensor(dst, device=device)
+    originals = [c.clone() for c in caches]
     expected = [c.clone() for c in caches]
     for c in expected:
         views = [c] if layout == "flash" else [c[part].permute(0, 2, 1, 3) for part in (0, 1)]
@@ -157,3 +158,6 @@ def check_compact_kv(
     kernels.compact_kv(kernels.KVLayers(caches), src, dst)
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got, want)
+    stacked = torch.stack(originals)  # the layers as one [L, ...] tensor
+    kernels.compact_kv(kernels.KVLayers(stacked), src, dst)
+    assert torch.equal(stacked, torch.stack(expected))

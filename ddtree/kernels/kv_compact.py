@@ -53,10 +53,13 @@ def _compact_kv_kernel(
 
 
 class KVLayers:
-    """The KV caches of the layers that share one slot mapping (one KV-cache group), for
-    :func:`compact_kv`. Build it once (it copies a small offset table to the device)."""
+    """The KV caches of the layers that share one slot mapping (one KV-cache group), a list or a
+    stacked tensor, for :func:`compact_kv`. Build it once, outside CUDA graphs (it copies a small
+    offset table to the device)."""
 
-    def __init__(self, caches: Sequence[torch.Tensor]):
+    def __init__(self, caches: Sequence[torch.Tensor] | torch.Tensor):
+        if isinstance(caches, torch.Tensor):  # stacked: [layers, ...one layer's shape]
+            caches = list(caches.unbind(0))
         if not caches:
             raise ValueError("KVLayers: no caches")
         first = caches[0]
