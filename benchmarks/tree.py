@@ -139,7 +139,12 @@ def main() -> None:
     parser.add_argument(
         "--impl", choices=("torch", "fused", "both"), default="torch", help="which tree step"
     )
+    parser.add_argument("--tree-warps", type=int, help="override the fused tree kernel's warps")
     args = parser.parse_args()
+    if args.tree_warps:
+        from ddtree.kernels import build
+
+        build.tree_num_warps = lambda budget: args.tree_warps
     device = args.device
     if args.impl != "torch" and device != "cuda":
         parser.error("--impl fused/both needs --device cuda (the Triton kernels)")
@@ -188,6 +193,7 @@ def main() -> None:
         "depth": DEPTH,
         "logits_dtype": "bfloat16",
         "impl": args.impl,
+        "tree_warps": args.tree_warps,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
