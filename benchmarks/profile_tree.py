@@ -1,6 +1,7 @@
 """Profile one build_tree + walk step: CUDA time per kernel family (what bounds the step).
 
 python benchmarks/profile_tree.py --batch 1 --budget 1024 --vocab 151936
+python benchmarks/profile_tree.py --impl fused --batch 1 --budget 1024  # ddtree.kernels
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--rows", type=int, default=25, help="kernels to list")
+    parser.add_argument("--impl", choices=("torch", "fused"), default="torch")
     args = parser.parse_args()
     logits = (torch.randn(args.batch, args.depth, args.vocab, device="cuda") * 4).bfloat16()
     target = torch.randint(0, args.vocab, (args.batch, 1 + args.budget), device="cuda")
@@ -36,6 +38,17 @@ def main() -> None:
         "float topk alone": lambda: logits.float().topk(k, dim=-1),
         "logsumexp alone": lambda: torch.logsumexp(logits.float(), -1),
     }
+    if args.impl == "fused":
+        from ddtree import kernels
+
+        buffers = kernels.tree_buffers(args.batch, args.depth, args.vocab, args.budget, "cuda")
+        acc = kernels.acceptance_buffers(args.batch, args.depth, args.budget + 1, "cuda")
+
+        def fused_step():
+            tree = kernels.build_tree_fused(logits, args.budget, chain_seed=True, buffers=buffers)
+            return kernels.walk_fused(tree, target, out=acc)
+
+        parts = {"fused build+walk (ddtree.kernels)": fused_step}
     for name, fn in parts.items():
         for _ in range(3):
             fn()

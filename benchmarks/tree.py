@@ -3,9 +3,13 @@
 Times, per (batch, budget, vocab) at depth 15: build_tree + walk (eager; on CUDA also replayed
 from one captured CUDA graph, the capture run under torch's sync-debug "error" mode so that any
 host sync fails), the vocabulary stage alone (top-k + logsumexp), and the reference heap in
-plain Python (batch 1 only; it is per request). Writes JSON with the command and machine.
+plain Python (batch 1 only; it is per request). ``--impl fused`` (or ``both``) times the Triton
+kernels of ddtree.kernels the same way (CUDA only), each stage also on its own, and checks that
+the fused tree equals the torch tree stage on the same ranked log-probs. Writes JSON with the
+command and machine.
 
     python benchmarks/tree.py --device cuda --out benchmarks/results/tree_h200.json
+    python benchmarks/tree.py --impl both --vocabs 151936 --out /tmp/tree_fused_h200.json
 """
 
 from __future__ import annotations
@@ -47,13 +51,8 @@ def timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def graph_time(logits, target, budget: int, repeats: int) -> float:
-    """Median seconds of one replay of a CUDA graph holding build_tree + walk."""
-
-    def step():
-        tree = ddtree.build_tree(logits, budget, chain_seed=True, check_values=False)
-        return ddtree.walk(tree, target)
-
+def graph_time(step, repeats: int) -> float:
+    """Median seconds of one replay of a CUDA graph holding ``step()``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -83,6 +82,43 @@ def graph_time(logits, target, budget: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def fused_row(logits, target, budget: int, repeats: int) -> dict:
+    """Times of the ddtree.kernels path (preallocated buffers, as an engine would hold them)."""
+    from ddtree import kernels
+    from ddtree.tree import tree_from_ranked
+
+    batch, depth, vocab = logits.shape
+    buffers = kernels.tree_buffers(batch, depth, vocab, budget, logits.device)
+    acc = kernels.acceptance_buffers(batch, depth, budget + 1, logits.device)
+    ranked = (buffers.logprobs, buffers.token_ids)
+
+    def build_walk():
+        tree = kernels.build_tree_fused(logits, budget, chain_seed=True, buffers=buffers)
+        return kernels.walk_fused(tree, target, out=acc)
+
+    def vocab_stage():
+        kernels.draft_topk_fused(logits, min(budget, vocab), out=ranked, workspace=buffers.vocab)
+
+    def tree_stage():
+        kernels.tree_from_ranked_fused(*ranked, budget, chain_seed=True, buffers=buffers)
+
+    row = {
+        "fused_build_walk_graph_ms": 1e3 * graph_time(build_walk, repeats),
+        "fused_build_walk_eager_ms": 1e3 * timed(build_walk, "cuda", repeats),
+        "fused_vocab_stage_graph_ms": 1e3 * graph_time(vocab_stage, repeats),
+        "fused_tree_stage_graph_ms": 1e3 * graph_time(tree_stage, repeats),
+        "fused_walk_graph_ms": 1e3
+        * graph_time(lambda: kernels.walk_fused(buffers.tree, target, out=acc), repeats),
+    }
+    build_walk()
+    ref = tree_from_ranked(*ranked, budget, chain_seed=True)
+    fields = ("tokens", "parents", "depths", "mask", "scores", "ancestors", "num_nodes")
+    row["fused_equals_torch_tree"] = all(
+        torch.equal(getattr(buffers.tree, f), getattr(ref, f)) for f in fields
+    )
+    return row
+
+
 def reference_time(logits_row: torch.Tensor, budget: int) -> float:
     logits_row = logits_row.cpu()
     t0 = time.perf_counter()
@@ -100,8 +136,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per point")
     parser.add_argument("--no-reference", action="store_true", help="skip the Python heap")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument(
+        "--impl", choices=("torch", "fused", "both"), default="torch", help="which tree step"
+    )
+    parser.add_argument("--tree-warps", type=int, help="override the fused tree kernel's warps")
     args = parser.parse_args()
+    if args.tree_warps:
+        from ddtree.kernels import build
+
+        build.tree_num_warps = lambda budget: args.tree_warps
     device = args.device
+    if args.impl != "torch" and device != "cuda":
+        parser.error("--impl fused/both needs --device cuda (the Triton kernels)")
     repeats = args.repeats or (50 if device == "cuda" else 3)
     budgets = [int(x) for x in args.budgets.split(",")]
     vocabs = [int(x) for x in args.vocabs.split(",")]
@@ -120,14 +166,18 @@ def main() -> None:
             return ddtree.walk(tree, target)
 
         row = {"vocab": vocab, "batch": batch, "budget": budget, "depth": DEPTH}
-        row["build_walk_eager_ms"] = 1e3 * timed(build_walk, device, repeats)
-        k = min(budget, vocab)
-        row["vocab_stage_eager_ms"] = 1e3 * timed(
-            lambda lg=logits, k=k: draft_topk(lg, k), device, repeats
-        )
-        if device == "cuda":
-            row["build_walk_graph_ms"] = 1e3 * graph_time(logits, target, budget, repeats)
-            row["host_syncs_in_step"] = 0  # capture ran under sync-debug "error" mode
+        if args.impl in ("torch", "both"):
+            row["build_walk_eager_ms"] = 1e3 * timed(build_walk, device, repeats)
+            k = min(budget, vocab)
+            row["vocab_stage_eager_ms"] = 1e3 * timed(
+                lambda lg=logits, k=k: draft_topk(lg, k), device, repeats
+            )
+            if device == "cuda":
+                row["build_walk_graph_ms"] = 1e3 * graph_time(build_walk, repeats)
+                row["host_syncs_in_step"] = 0  # capture ran under sync-debug "error" mode
+        if args.impl in ("fused", "both"):
+            row.update(fused_row(logits, target, budget, repeats))
+            row["host_syncs_in_step"] = 0
         if batch == 1 and not args.no_reference:
             row["reference_ms"] = 1e3 * reference_time(logits[0], budget)
         rows.append(row)
@@ -142,6 +192,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "depth": DEPTH,
         "logits_dtype": "bfloat16",
+        "impl": args.impl,
+        "tree_warps": args.tree_warps,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +209,11 @@ def table(rows: list[dict]) -> str:
             "build_walk_graph_ms",
             "build_walk_eager_ms",
             "vocab_stage_eager_ms",
+            "fused_build_walk_graph_ms",
+            "fused_build_walk_eager_ms",
+            "fused_vocab_stage_graph_ms",
+            "fused_tree_stage_graph_ms",
+            "fused_walk_graph_ms",
             "reference_ms",
         )
         if any(c in r for r in rows)

@@ -52,6 +52,9 @@ class DraftTree:
     scores: torch.Tensor  # float32 [b, N]: sum of draft logprobs (0 root, -inf padding)
     ancestors: torch.Tensor  # long [b, N, D+1]: k-th ancestor of each slot, saturating at 0
     num_nodes: torch.Tensor  # long [b]: real (non-root, non-padding) nodes
+    # int32 [b, N, ceil(N/32)]: bit j of word w of row i set iff slot 32w+j is i or an ancestor
+    # of i (the mask packed for attention kernels); filled by ddtree.kernels, None here.
+    ancestor_bits: torch.Tensor | None = None
 
     @property
     def budget(self) -> int:

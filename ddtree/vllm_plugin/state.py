@@ -145,14 +145,16 @@ def pad_tree(tree: DraftTree, num_slots: int) -> DraftTree:
     )
 
 
+def _fields(tree: DraftTree) -> list[str]:
+    """The fields a tree has (``ancestor_bits`` is None unless the fused kernels built it)."""
+    return [k for k in tree.__dataclass_fields__ if getattr(tree, k) is not None]
+
+
 def gather_tree(tree: DraftTree, index: torch.Tensor) -> DraftTree:
     """The trees of rows ``index [R]``."""
-    return DraftTree(
-        **{k: getattr(tree, k).index_select(0, index) for k in tree.__dataclass_fields__}
-    )
+    return DraftTree(**{k: getattr(tree, k).index_select(0, index) for k in _fields(tree)})
 
 
 def concat_trees(first: DraftTree, second: DraftTree) -> DraftTree:
-    return DraftTree(**{
-        k: torch.cat([getattr(first, k), getattr(second, k)]) for k in first.__dataclass_fields__
-    })  # fmt: skip
+    fields = _fields(first)
+    return DraftTree(**{k: torch.cat([getattr(first, k), getattr(second, k)]) for k in fields})

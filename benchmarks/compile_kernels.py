@@ -1,0 +1,164 @@
+"""Compile every ddtree.kernels kernel for a GPU target without a GPU (Triton + ptxas only) and
+report registers, spills, shared memory and compile time: catches what Triton's CPU interpreter
+accepts but a real GPU rejects (shapes, shared memory, dtypes).
+
+    python benchmarks/compile_kernels.py --arch 90 --budgets 16,64,255,1024 --vocab 151936
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ddtree.kernels import ancestry, build, kv_compact, tree_build, vocab_topk, walk
+from ddtree.kernels._common import next_pow2, sort_size
+
+PTX_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_one(name, fn, signature, constexprs, num_warps, arch) -> dict:
+    """Compile ``fn`` and read its resource usage from the cubin."""
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps},
+    )
+    seconds = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(PTX_BIN / "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # per-thread frame: spills
+    row = {
+        "kernel": name,
+        "warps": num_warps,
+        "registers": regs,
+        "stack_bytes": stack,
+        "shared_bytes": kernel.metadata.shared,
+        "compile_s": round(seconds, 1),
+    }
+    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return row
+
+
+def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arch: int):
+    """Compile the kernels of one build + walk + ancestry at these shapes."""
+    k = min(budget, vocab)
+    segment, num_seg, chunk, cap_small, cap = vocab_topk._plan(vocab, k)
+    n_chunks = num_seg * (segment // chunk)
+    tag = f"V={vocab} B={budget} {dtype}"
+    compile_one(
+        f"vocab._segment_kernel {tag}",
+        vocab_topk._segment_kernel,
+        {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
+         "stats_ptr": "*fp32", "chunks_ptr": "*i32"},
+        {"SEGMENT": segment, "CHUNK": chunk},
+        8, arch,
+    )  # fmt: skip
+    compile_one(
+        f"vocab._threshold_kernel {tag}",
+        vocab_topk._threshold_kernel,
+        {"stats_ptr": "*fp32", "chunks_ptr": "*i32", "lse_ptr": "*fp32", "thresh_ptr": "*i32",
+         "count_ptr": "*i32", "num_seg": "i32", "n_chunks": "i32", "k": "i32"},
+        {"NK": next_pow2(n_chunks), "SEG_P": next_pow2(num_seg)},
+        vocab_topk.threshold_num_warps(n_chunks), arch,
+    )  # fmt: skip
+    compile_one(
+        f"vocab._compact_kernel {tag}",
+        vocab_topk._compact_kernel,
+        {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
+         "thresh_ptr": "*i32", "count_ptr": "*i32", "buf_ptr": "*i64"},
+        {"CAP": cap, "SEGMENT": segment, "TILE": min(segment, 2048)},
+        8, arch,
+    )  # fmt: skip
+    compile_one(
+        f"vocab._select_kernel {tag}",
+        vocab_topk._select_kernel,
+        {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
+         "thresh_ptr": "*i32", "count_ptr": "*i32", "lse_ptr": "*fp32", "buf_ptr": "*i64",
+         "picked_ptr": "*i64", "logprobs_ptr": "*fp32", "ids_ptr": "*i64", "k": "i32",
+         "floor": "fp32"},
+        {"CAP_SMALL": cap_small, "CAP": cap, "KP": sort_size(k), "TILE": min(segment, 4096)},
+        vocab_topk.select_num_warps(cap), arch,
+    )  # fmt: skip
+    beam = sort_size(budget)
+    for chain in (False, True):
+        compile_one(
+            f"tree._tree_kernel B={budget} k={k} chain={chain}",
+            tree_build._tree_kernel,
+            {"lp_ptr": "*fp32", "ids_ptr": "*i64", "k": "i32", "budget": "i32", "depth": "i32",
+             "list_score_ptr": "*fp32", "list_parent_ptr": "*i32", "list_rank_ptr": "*i32",
+             "tokens_ptr": "*i64", "parents_ptr": "*i64", "depths_ptr": "*i64",
+             "scores_ptr": "*fp32", "num_nodes_ptr": "*i64"},
+            {"CHAIN": chain, "BP": beam, "LOG2_BP": beam.bit_length() - 1, "KP": next_pow2(k),
+             "LOG2_KP": next_pow2(k).bit_length() - 1, "DP": next_pow2(depth),
+             "NP": next_pow2(budget + 1), "S1": min(64, beam), "S2": min(256, beam)},
+            build.tree_num_warps(budget), arch,
+        )  # fmt: skip
+    n_slots = budget + 1
+    rows = ancestry.rows_per_program(n_slots)
+    compile_one(
+        f"ancestry._ancestry_kernel B={budget}",
+        ancestry._ancestry_kernel,
+        {"parents_ptr": "*i64", "ancestors_ptr": "*i64", "bits_ptr": "*i32", "mask_ptr": "*u8",
+         "n_slots": "i32", "depth": "i32", "n_words": "i32"},
+        {"ROWS": rows, "WP": next_pow2(-(-n_slots // 32)),
+         "GROUP": min(4, next_pow2(-(-n_slots // 32)))},
+        4, arch,
+    )  # fmt: skip
+    compile_one(
+        f"walk._walk_kernel B={budget}",
+        walk._walk_kernel,
+        {"tokens_ptr": "*i64", "parents_ptr": "*i64", "depths_ptr": "*i64",
+         "ancestors_ptr": "*i64", "target_ptr": "*i64", "path_ptr": "*i64",
+         "num_accepted_ptr": "*i64", "bonus_ptr": "*i64", "emitted_ptr": "*i64",
+         "accepted_ptr": "*u8", "n_slots": "i32", "depth": "i32"},
+        {"NP": next_pow2(n_slots), "D1P": next_pow2(depth + 1)},
+        4 if n_slots <= 256 else 8, arch,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--budgets", default="16,64,255,1024")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--depth", type=int, default=15)
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    args = parser.parse_args()
+    print(f"# {' '.join(sys.argv)}; triton {triton.__version__}, target sm_{args.arch}")
+    for budget in (int(b) for b in args.budgets.split(",")):
+        for dtype in args.dtypes.split(","):
+            kernels_for(1, args.depth, args.vocab, budget, dtype, args.arch)
+    for parts, width in ((1, 256), (2, 128)):  # vLLM 0.26 FlashAttention / older layout
+        compile_one(
+            f"kv._compact_kv_kernel parts={parts} width={width}",
+            kv_compact._compact_kv_kernel,
+            {"cache_ptr": "*bf16", "layer_offsets_ptr": "*i64", "src_ptr": "*i64",
+             "dst_ptr": "*i64", "num_moves": "i32", "block_size": "i32", "s_part": "i64",
+             "s_block": "i64", "s_head": "i64", "s_offset": "i64"},
+            {"PARTS": parts, "HEADS": 8, "WIDTH": width, "MP": 16,
+             "CW": min(width, 4096 // 16)},
+            4, args.arch,
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
