@@ -130,7 +130,7 @@ def check_compact_kv(
     layout: str, num_layers: int, num_reqs: int, moves: int, device, gen: torch.Generator
 ) -> None:
     """compact_kv equals copy_slots applied per layer (moves that overlap within a request)."""
-    from ddtree.vllm_plugin.flash_tree_attention import copy_slots
+    from ddtree.vllm_plugin.attention.flash import copy_slots
 
     block, heads, width, blocks = 16, 2, 8, 4 * num_reqs + 2
     caches = []

@@ -1,5 +1,5 @@
 """KV compaction of every layer and request in one Triton launch; torch reference:
-:func:`ddtree.vllm_plugin.flash_tree_attention.copy_slots` (applied to each layer in turn).
+:func:`ddtree.vllm_plugin.attention.flash.copy_slots` (applied to each layer in turn).
 
 The accepted path's K/V moves from cache slot ``src`` to ``dst`` in every layer. A request's moves
 may overlap (slot context+3 -> context+2 while context+5 -> context+3), so, like ``copy_slots``,
