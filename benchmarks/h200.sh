@@ -3,15 +3,15 @@
 #   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~6 min)
 #   bash benchmarks/h200.sh smoke    # GPU tests + a few equality engines (~3 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
-#   bash benchmarks/h200.sh profile  # DDTree's step-time split at Qwen3-8B shapes (~4 min)
-#   bash benchmarks/h200.sh tree     # benchmarks/tree.py: tree build + walk timings (~2 min)
+#   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
+#   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-git log -1 --format='%H %s' > "$OUT/commit.txt" 2>/dev/null || true
+
 gpu_tests() {
   timeout "$1" python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
   tail -3 "$OUT/gpu_tests.txt"
@@ -44,16 +44,19 @@ bench)
   tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
   tail -20 "$OUT/bench_8b.txt"
   ;;
-profile)
-  timeout 300 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods dflash,ddtree \
-    --budgets 63,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
-    --ddtree-profile 20 --title "profile" --out /tmp/prof_8b > "$OUT/prof_8b.txt" 2>&1
-  tar czf "$OUT/prof_8b.tgz" -C /tmp/prof_8b --exclude=models .
-  tail -30 "$OUT/prof_8b.txt"
+profile)  # torch.profiler over in-process engines (kernels per step): DDTree beside the chain
+  mkdir -p "$OUT/profile"
+  for run in "63 16" "0 16" "255 1" "0 1"; do
+    set -- $run
+    timeout 120 python3 benchmarks/profile_step.py --budget "$1" --concurrency "$2" \
+      --out "$OUT/profile" 2>&1 | grep -A12 "steps,"
+  done
   ;;
 tree)
-  timeout 200 python3 benchmarks/tree.py --device cuda --out "$OUT/tree_h200.json" \
-    > "$OUT/tree.txt" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1
+  tail -2 "$OUT/kernels.txt"
+  timeout 200 python3 benchmarks/tree.py --device cuda --impl both --vocabs 151936 \
+    --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
   ;;
 *)

@@ -333,3 +333,40 @@ def test_plugin_leaves_torch_cuda_alone_off_the_cpu():
         "assert torch.cuda.Event is event\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "budget, mode, message",
+    [
+        (511, None, "budgets above 255 gave wrong tokens"),
+        (64, "FULL", "not FULL: a full graph of a mixed batch"),
+    ],
+)
+def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, message):
+    """The V2 runner's checks (CUDA only at run time; the check itself is plain Python)."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.v2.prepare import check_settings
+
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    config = SimpleNamespace(
+        parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(uses_mrope=False),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode[mode] if mode else CUDAGraphMode.FULL_AND_PIECEWISE
+        ),
+        speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
+    )  # fmt: skip
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        check_settings(config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.speculative_config.ddtree = DDTreeOptions(255)
+    check_settings(config)  # what the suite verified passes

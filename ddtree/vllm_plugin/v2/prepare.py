@@ -7,6 +7,11 @@ from ddtree.vllm_plugin import config
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
+# Budgets verified token-for-token on the V2 runner (H200 equality suite, B = 1, 15, 64, 255).
+# At B=511 every request parted from no-spec at its first tokens (0 of 8 equal, not near-ties):
+# a bug not found yet, so larger budgets are refused here rather than served wrong.
+MAX_V2_BUDGET = 255
+
 
 def check_settings(vllm_config) -> None:
     """Refuse engine settings the V2 tree path is not built for, naming the setting."""
@@ -29,6 +34,13 @@ def check_settings(vllm_config) -> None:
             "ddtree needs cudagraph_mode FULL_AND_PIECEWISE (the default), FULL_DECODE_ONLY, "
             "PIECEWISE or NONE, not FULL: a full graph of a mixed batch would replay the tree "
             "attention for prefill rows"
+        )
+    budget = config.options_of(vllm_config.speculative_config).budget
+    if budget > MAX_V2_BUDGET:
+        raise NotImplementedError(
+            f"ddtree_budget {budget} on the V2 model runner: budgets above {MAX_V2_BUDGET} "
+            "gave wrong tokens in the H200 equality suite and are refused until fixed; use "
+            f"ddtree_budget <= {MAX_V2_BUDGET} (or VLLM_USE_V2_MODEL_RUNNER=0)"
         )
     if config.SETTINGS.tree_attention == "merge":
         raise ValueError("DDTREE_TREE_ATTENTION=merge runs on the V1 model runner only")
