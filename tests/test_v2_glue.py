@@ -93,8 +93,9 @@ def check() -> None:
     )  # fmt: skip
     out = TreeSampler(engine, fake_sampler, BUDGET)(logits, batch)
 
-    clipped = ddtree.tree.DraftTree(**{k: getattr(trees, k)[1:] for k in
-                                       trees.__dataclass_fields__})  # fmt: skip
+    from ddtree.vllm_plugin.state import gather_tree
+
+    clipped = gather_tree(trees, torch.tensor([1]))
     clipped.tokens = torch.where(torch.arange(q) < 7, clipped.tokens, -1)
     walks = [ddtree.walk(trees, targets)]
     walks.append(ddtree.walk(clipped, torch.where(torch.arange(q) < 7, targets[1:], 0)))

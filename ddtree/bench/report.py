@@ -12,7 +12,7 @@ from pathlib import Path
 
 CHAIN = "dflash"  # vLLM's default DFlash chain engine: the reference of every speed ratio
 NO_SPEC = "ar"
-PROFILE_MARKER = "ddtree-profile "  # ddtree/vllm_plugin/runtime.py StepProfile's log lines
+PROFILE_MARKER = "ddtree-profile "  # vllm_plugin/debug.py StepProfile's log lines
 
 
 def _point(row: dict) -> tuple[int, float]:

@@ -36,7 +36,7 @@ from ddtree.bench.report import (
 )
 from ddtree.vllm_plugin import plugin_env
 
-PROFILE_ENV = "DDTREE_PROFILE"  # read by ddtree/vllm_plugin/runtime.py at import
+PROFILE_ENV = "DDTREE_PROFILE"  # read at plugin registration (vllm_plugin/config.py)
 
 # Qwen3-8B's shapes, and a DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shapes (5 layers).
 QWEN3_8B = dict(
