@@ -43,13 +43,22 @@ def main() -> None:
     spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
     if args.budget:
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": args.budget}
-    llm = vllm.LLM(model=str(target), speculative_config=spec, dtype="bfloat16",
-                   max_model_len=2048, max_num_seqs=args.concurrency, seed=0,
-                   kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.05,
-                   disable_log_stats=False, **extra)  # fmt: skip
+    llm = vllm.LLM(
+        model=str(target),
+        speculative_config=spec,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=args.concurrency,
+        seed=0,
+        kv_cache_memory_bytes=2 << 30,
+        gpu_memory_utilization=0.05,
+        disable_log_stats=False,
+        **extra,
+    )
     prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(args.concurrency)]
-    params = vllm.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 detokenize=False)  # fmt: skip
+    params = vllm.SamplingParams(
+        temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+    )
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles, first graphs
 
     def steps() -> int:
@@ -71,8 +80,10 @@ def main() -> None:
         f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall per step, "
         f"{total_ms / num_steps:.2f} ms GPU per step\n\n{table}\n"
     )
-    print(f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall/step, "
-          f"{total_ms / num_steps:.2f} ms GPU/step")  # fmt: skip
+    print(
+        f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall/step, "
+        f"{total_ms / num_steps:.2f} ms GPU/step"
+    )
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     for e in top:
         per_step = e.self_device_time_total / 1e3 / num_steps

@@ -29,8 +29,13 @@ TARGET = Path(__file__).resolve().parents[1] / "models" / "target"
 def first_split(tok, mismatch: dict) -> tuple[list[int], int, int] | None:
     """(context token ids, server token, no-spec token) at the first differing token, or None."""
     stop = mismatch["request"]["args"].get("stop") or [""]
-    answers = zip(mismatch["texts"], mismatch["reasons"], mismatch["no_spec"]["texts"],
-                  mismatch["no_spec"]["reasons"], strict=True)  # fmt: skip
+    answers = zip(
+        mismatch["texts"],
+        mismatch["reasons"],
+        mismatch["no_spec"]["texts"],
+        mismatch["no_spec"]["reasons"],
+        strict=True,
+    )
     for ours, ours_reason, ref, ref_reason in answers:
         if ours == ref and ours_reason == ref_reason:
             continue
@@ -40,8 +45,9 @@ def first_split(tok, mismatch: dict) -> tuple[list[int], int, int] | None:
         ref += stop[0] if ref_reason == "stop" else ""
         ids_ours = tok(ours, add_special_tokens=False).input_ids
         ids_ref = tok(ref, add_special_tokens=False).input_ids
-        k = next((i for i, (a, b) in enumerate(zip(ids_ours, ids_ref, strict=False)) if a != b),
-                 None)  # fmt: skip
+        k = next(
+            (i for i, (a, b) in enumerate(zip(ids_ours, ids_ref, strict=False)) if a != b), None
+        )
         if k is None:  # one answer is a prefix of the other: the shorter one stopped early
             return None
         prompt_ids = tok(mismatch["request"]["args"]["prompt"]).input_ids
@@ -60,31 +66,39 @@ def score(model, tok, mismatches: list[dict], label: str) -> list[dict]:
         context, ours, ref = split
         logits = model(torch.tensor([context])).logits[0, -1].float()  # [vocab]
         top2 = logits.topk(2)
-        rows.append({
-            "kind": "split",
-            "margin": float(logits[ours] - logits[ref]),  # > 0: float32 prefers the server's token
-            "top_gap": float(top2.values[0] - top2.values[1]),
-            "in_top2": {ours, ref} == set(top2.indices.tolist()),
-            "first_char": len(os.path.commonprefix([m["texts"][0], m["no_spec"]["texts"][0]])),
-        })  # fmt: skip
+        rows.append(
+            {
+                "kind": "split",
+                "margin": float(
+                    logits[ours] - logits[ref]
+                ),  # > 0: float32 prefers the server's token
+                "top_gap": float(top2.values[0] - top2.values[1]),
+                "in_top2": {ours, ref} == set(top2.indices.tolist()),
+                "first_char": len(os.path.commonprefix([m["texts"][0], m["no_spec"]["texts"][0]])),
+            }
+        )
     return rows
 
 
 def summarize(rows: list[dict], compared: int) -> dict:
     splits = [r for r in rows if r["kind"] == "split"]
     margins = torch.tensor([abs(r["margin"]) for r in splits])
-    out = {"greedy_compared": compared, "mismatches": len(rows),
-           "one_answer_is_prefix_of_other": len(rows) - len(splits),
-           "split_tokens_are_float32_top2": sum(r["in_top2"] for r in splits),
-           "float32_prefers_server": sum(r["margin"] > 0 for r in splits),
-           "float32_prefers_no_spec": sum(r["margin"] < 0 for r in splits)}  # fmt: skip
+    out = {
+        "greedy_compared": compared,
+        "mismatches": len(rows),
+        "one_answer_is_prefix_of_other": len(rows) - len(splits),
+        "split_tokens_are_float32_top2": sum(r["in_top2"] for r in splits),
+        "float32_prefers_server": sum(r["margin"] > 0 for r in splits),
+        "float32_prefers_no_spec": sum(r["margin"] < 0 for r in splits),
+    }
     top2 = [r for r in splits if r["in_top2"]]  # the re-encoding matched the servers' tokens
     out["top2_float32_prefers_server"] = sum(r["margin"] > 0 for r in top2)
     out["top2_abs_margin_max"] = round(max((abs(r["margin"]) for r in top2), default=0.0), 4)
     if len(splits):
         q = torch.tensor([0.5, 0.9, 0.99, 1.0])
-        out["abs_margin_quantiles_p50_p90_p99_max"] = [round(v, 4) for v in
-                                                       margins.quantile(q).tolist()]  # fmt: skip
+        out["abs_margin_quantiles_p50_p90_p99_max"] = [
+            round(v, 4) for v in margins.quantile(q).tolist()
+        ]
     return out
 
 
@@ -112,8 +126,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--soak", type=Path, required=True, help="soak.json of DDTree vs no-spec")
     parser.add_argument("--control", type=Path, help="soak.json of no-spec vs no-spec")
-    parser.add_argument("--run", action="append", default=[], metavar="LABEL=SOAK_JSON",
-                        help="more runs to score, each under its label (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="LABEL=SOAK_JSON",
+        help="more runs to score, each under its label (repeatable)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     inputs = [("DDTree vs no-spec", args.soak), ("no-spec vs no-spec", args.control)]

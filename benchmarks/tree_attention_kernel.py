@@ -43,8 +43,14 @@ def case(num_reqs: int, budget: int, context: int) -> float:
 
 if __name__ == "__main__":
     rows = []
-    for num_reqs, budget, context in [(1, 64, 1024), (1, 255, 1024), (1, 511, 1024),
-                                      (8, 64, 1024), (32, 15, 1024), (1, 64, 8192)]:  # fmt: skip
+    for num_reqs, budget, context in [
+        (1, 64, 1024),
+        (1, 255, 1024),
+        (1, 511, 1024),
+        (8, 64, 1024),
+        (32, 15, 1024),
+        (1, 64, 8192),
+    ]:
         us = case(num_reqs, budget, context)
         rows.append(
             {

@@ -25,9 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (1, 15, 64, 255, 511)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
-    "pair_ddtreetriton_64", "pair_ddtreesync_64", "pair_ddtreev1_64", "random_nospec",
-    "random_dflash", "random_ddtree_15", "random_ddtree_64",
-]  # fmt: skip
+    "pair_ddtreetriton_64",
+    "pair_ddtreesync_64",
+    "pair_ddtreev1_64",
+    "random_nospec",
+    "random_dflash",
+    "random_ddtree_15",
+    "random_ddtree_64",
+]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
 # ddtreetriton: with attention_backend TRITON_ATTN (the backend of GPUs without FA3);
@@ -52,8 +57,15 @@ def make_random_pair(out: Path) -> None:
     from ddtree.dflash import DFlashDraftModel, save_drafter
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)  # fmt: skip
+    shape = dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+    )
     target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=4, tie_word_embeddings=False, **shape))
     with torch.no_grad():
         target.lm_head.weight.mul_(20)  # sharp logits: few near-ties in bfloat16
@@ -102,19 +114,28 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
     t0 = time.time()
     llm = vllm.LLM(
-        model=str(target), speculative_config=spec, dtype=dtype, max_model_len=1024,
-        max_num_seqs=8, seed=0, kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.05,
-        skip_tokenizer_init=kind == "random", disable_log_stats=False, **extra,
-    )  # fmt: skip
+        model=str(target),
+        speculative_config=spec,
+        dtype=dtype,
+        max_model_len=1024,
+        max_num_seqs=8,
+        seed=0,
+        kv_cache_memory_bytes=1 << 30,
+        gpu_memory_utilization=0.05,
+        skip_tokenizer_init=kind == "random",
+        disable_log_stats=False,
+        **extra,
+    )
     started = time.time() - t0
     prompts = _prompts(kind, target)
     stop = [[], [], [202 if kind == "pair" else 7], [], [], [], [10], []]  # 202: newline
     logprobs = 2 if spec is None else None  # no-spec: top-2 margins, to judge any divergence
     params = [
-        vllm.SamplingParams(temperature=0, max_tokens=m, stop_token_ids=s, detokenize=False,
-                            logprobs=logprobs)
+        vllm.SamplingParams(
+            temperature=0, max_tokens=m, stop_token_ids=s, detokenize=False, logprobs=logprobs
+        )
         for m, s in zip(MAX_TOKENS, stop, strict=True)
-    ]  # fmt: skip
+    ]
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     seconds = time.time() - t1
@@ -124,9 +145,10 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     if method.startswith("ddtree"):
         sampled = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=64, seed=1,
-                                detokenize=False),
-        )  # fmt: skip
+            vllm.SamplingParams(
+                temperature=1.0, top_k=50, top_p=0.9, max_tokens=64, seed=1, detokenize=False
+            ),
+        )
     config = llm.llm_engine.vllm_config
     metrics = {}
     for metric in llm.get_metrics():
@@ -245,8 +267,12 @@ def main() -> int:
     parser.add_argument("--case", choices=CASES, default=None)
     parser.add_argument("--cases", default=",".join(CASES), help="driver: comma-separated cases")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--site", type=Path, default=Path("/tmp/ddtree-site"),
-                        help="where to put the plugin's entry-point metadata")  # fmt: skip
+    parser.add_argument(
+        "--site",
+        type=Path,
+        default=Path("/tmp/ddtree-site"),
+        help="where to put the plugin's entry-point metadata",
+    )
     args = parser.parse_args()
     if args.case is not None:
         run_case(args.case, args.out, args.dtype)

@@ -87,11 +87,14 @@ def _train(args: argparse.Namespace) -> int:
         target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
     if args.what in ("drafter", "all"):
         recipe = DrafterRecipe(
-            steps=args.drafter_steps, seed=args.seed, num_layers=args.drafter_layers,
-            intermediate_size=args.drafter_intermediate_size, lr=args.drafter_lr,
+            steps=args.drafter_steps,
+            seed=args.seed,
+            num_layers=args.drafter_layers,
+            intermediate_size=args.drafter_intermediate_size,
+            lr=args.drafter_lr,
             time_limit=args.time_limit,
             **_small(args, "drafter"),
-        )  # fmt: skip
+        )
         mask_id = tokenizer.convert_tokens_to_ids(MASK)
         cache = args.distill_cache
         if cache is not None and cache.exists():
@@ -100,9 +103,16 @@ def _train(args: argparse.Namespace) -> int:
         elif args.distill_tokens > 0:  # train on the target's own outputs
             eos_id = tokenizer.convert_tokens_to_ids(EOS)
             small = {"length": 64, "prompt_len": 16, "batch": 4} if args.tiny else {}
-            stream = distill_stream(target, stream, args.distill_tokens, eos_id=eos_id,
-                                    device=device, seed=args.seed,
-                                    greedy_fraction=args.greedy_fraction, **small)  # fmt: skip
+            stream = distill_stream(
+                target,
+                stream,
+                args.distill_tokens,
+                eos_id=eos_id,
+                device=device,
+                seed=args.seed,
+                greedy_fraction=args.greedy_fraction,
+                **small,
+            )
             print(f"distilled stream: {stream.numel() / 1e6:.2f} M tokens")
             if cache is not None:  # written whole, then renamed: readers never see a part
                 torch.save(stream, cache.with_suffix(".partial"))
@@ -116,8 +126,14 @@ def _small(args: argparse.Namespace, which: str) -> dict:
     if not args.tiny:
         return {}
     if which == "target":
-        return {"hidden_size": 32, "num_layers": 6, "intermediate_size": 64, "seq_len": 64,
-                "batch": 4, "warmup": 2}  # fmt: skip
+        return {
+            "hidden_size": 32,
+            "num_layers": 6,
+            "intermediate_size": 64,
+            "seq_len": 64,
+            "batch": 4,
+            "warmup": 2,
+        }
     return {"seq_len": 64, "batch": 4, "anchors": 4, "warmup": 2}
 
 
@@ -148,8 +164,17 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
     target = args.model or str(MODELS / "target")
     draft = args.draft or (None if args.model else str(MODELS / "drafter"))
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-           "--host", args.host, "--port", str(args.port)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        target,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
     if draft is not None and args.budget > 0 and args.method == "dflash":
         # vLLM's own DFlash: the drafter's argmax chain, block_size - 1 tokens per step.
         from ddtree.dflash import read_config, read_settings
@@ -265,8 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", default=None, help="target model (default: models/target)")
     serve.add_argument("--draft", default=None, help="DFlash drafter (default: models/drafter)")
     serve.add_argument("--budget", type=int, default=64, help="tree nodes per step; 0: no spec")
-    serve.add_argument("--method", choices=("ddtree", "dflash"), default="ddtree",
-                       help="dflash: vLLM's own DFlash chain (a baseline)")  # fmt: skip
+    serve.add_argument(
+        "--method",
+        choices=("ddtree", "dflash"),
+        default="ddtree",
+        help="dflash: vLLM's own DFlash chain (a baseline)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-num-seqs", type=int, default=8)
@@ -280,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.bench import soak as soak_tool
 
     soak = sub.add_parser(
-        "soak", help="drive the DDTree server with concurrent clients (loopback); "
+        "soak",
+        help="drive the DDTree server with concurrent clients (loopback); "
         "arguments after -- go to vLLM",
-    )  # fmt: skip
+    )
     soak_tool.add_arguments(soak)
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -35,8 +35,9 @@ def servers(tmp_path_factory):
     parser = argparse.ArgumentParser()
     soak.add_arguments(parser)
     out = tmp_path_factory.mktemp("servers")
-    args = parser.parse_args(["--budget", "64", "--max-num-seqs", "4", "--compare",
-                              "--out", str(out)])  # fmt: skip
+    args = parser.parse_args(
+        ["--budget", "64", "--max-num-seqs", "4", "--compare", "--out", str(out)]
+    )
     args.vllm_args = ["--kv-cache-memory-bytes", "256M", "--enforce-eager"]
     server, reference = soak.start_servers(args)
     try:

@@ -25,8 +25,15 @@ def engine(model: Path = MODELS / "target", spec: dict | None = None, **kwargs):
     set for that moment only, so servers started by other tests keep vLLM's default."""
     import vllm
 
-    settings = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
-                    max_num_batched_tokens=2048, seed=0, gpu_memory_utilization=0.2)  # fmt: skip
+    settings = dict(
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        seed=0,
+        gpu_memory_utilization=0.2,
+    )
     settings.update(kwargs)
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -63,8 +70,12 @@ def token_counts(llm, prompt, index: int, n: int, vocab: int, **sampling) -> lis
     """How often each token is generated at position ``index`` over ``n`` seeded requests."""
     import vllm
 
-    params = [vllm.SamplingParams(max_tokens=index + 1, ignore_eos=True, seed=seed,
-                                  detokenize=False, **sampling) for seed in range(n)]  # fmt: skip
+    params = [
+        vllm.SamplingParams(
+            max_tokens=index + 1, ignore_eos=True, seed=seed, detokenize=False, **sampling
+        )
+        for seed in range(n)
+    ]
     counts = [0] * vocab
     for out in llm.generate([prompt] * n, params):
         counts[out.outputs[0].token_ids[index]] += 1

@@ -124,8 +124,14 @@ def test_run_requests_keeps_c_in_flight_until_the_queue_runs_dry():
 
 
 def _row(engine, c, t, tps, tau=1.0, **kw):
-    return {"engine": engine, "concurrency": c, "temperature": t, "tokens_per_s": tps,
-            "tau": tau, **kw}  # fmt: skip
+    return {
+        "engine": engine,
+        "concurrency": c,
+        "temperature": t,
+        "tokens_per_s": tps,
+        "tau": tau,
+        **kw,
+    }
 
 
 def _grid():
@@ -156,8 +162,9 @@ def test_speed_table_rows_are_engines_columns_are_points():
     rows = report.add_ratios(_grid())
     key = report.reference_key(rows)
     assert key == "tokens_per_s_vs_dflash"
-    table = report.markdown_table(rows, lambda r: report.speed_cell(r, key),
-                                  ["ar", "dflash", "dflash-v1", "ddtree-64"])  # fmt: skip
+    table = report.markdown_table(
+        rows, lambda r: report.speed_cell(r, key), ["ar", "dflash", "dflash-v1", "ddtree-64"]
+    )
     assert table.splitlines() == [
         "| engine | c=1 T=0 | c=16 T=0 |",
         "|---|---:|---:|",
@@ -195,8 +202,11 @@ def test_profile_lines_parse_and_average_by_steps():
     reports = report.parse_profile_log("\n".join(readable))
     assert [r["steps"] for r in reports] == [20, 10]
     mean = report.mean_profile(reports)
-    assert mean == {"reports": 2, "steps": 30,
-                    "ms_per_step": {"prepare": 2.0, "forward": 12.0, "attention": 4.0}}  # fmt: skip
+    assert mean == {
+        "reports": 2,
+        "steps": 30,
+        "ms_per_step": {"prepare": 2.0, "forward": 12.0, "attention": 4.0},
+    }
     assert report.mean_profile([]) is None
     assert report.parse_profile_log("no reports here\n") == []
 
@@ -243,13 +253,16 @@ class FakeLLM:
         self.batch_sizes: list[int] = []
         self.drafts = self.accepted = self.steps = 0
         self.llm_engine = SimpleNamespace(
-            step=self._step, has_unfinished_requests=lambda: bool(self.running),
+            step=self._step,
+            has_unfinished_requests=lambda: bool(self.running),
             engine_core=SimpleNamespace(shutdown=lambda: None),
             vllm_config=SimpleNamespace(
                 use_v2_model_runner=False,
-                compilation_config=SimpleNamespace(cudagraph_mode="NONE",
-                                                   max_cudagraph_capture_size=0)),
-        )  # fmt: skip
+                compilation_config=SimpleNamespace(
+                    cudagraph_mode="NONE", max_cudagraph_capture_size=0
+                ),
+            ),
+        )
         FakeLLM.instances.append(self)
 
     def enqueue(self, prompt, params, use_tqdm=True):
@@ -281,9 +294,11 @@ class FakeLLM:
         return outputs
 
     def get_metrics(self):
-        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
-                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted),
-                SimpleNamespace(name="vllm:iteration_tokens_total", count=self.steps)]  # fmt: skip
+        return [
+            SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
+            SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted),
+            SimpleNamespace(name="vllm:iteration_tokens_total", count=self.steps),
+        ]
 
 
 def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path, monkeypatch):
@@ -294,24 +309,51 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
     prompts = bench.dummy_prompts(5, 8)
     prompt_set = {"sha256": bench.prompt_set_digest(prompts), "prompts": prompts}
     (tmp_path / "prompts.json").write_text(json.dumps(prompt_set))
-    argv = ["bench", "--methods", "ar,ddtree", "--budgets", "16", "--concurrency", "1,4",
-            "--temperatures", "0,1", "--max-tokens", "9", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "bench",
+        "--methods",
+        "ar,ddtree",
+        "--budgets",
+        "16",
+        "--concurrency",
+        "1,4",
+        "--temperatures",
+        "0,1",
+        "--max-tokens",
+        "9",
+        "--out",
+        str(tmp_path),
+    ]
     for name in ("ar", "ddtree-16"):
         log = tmp_path / f"{name}.log"
         log.write_text("")
         FakeLLM.log = log if name.startswith("ddtree") else None
         args = argparse.Namespace(
-            dummy=True, target=tmp_path, draft=tmp_path, dtype="float32", max_model_len=64,
-            kv_cache_gib=1.0, ddtree_options={}, concurrency=[1, 4], budgets=[16],
-            temperatures=[0.0, 1.0], max_tokens=9, engines=[name], argv=argv,
+            dummy=True,
+            target=tmp_path,
+            draft=tmp_path,
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_gib=1.0,
+            ddtree_options={},
+            concurrency=[1, 4],
+            budgets=[16],
+            temperatures=[0.0, 1.0],
+            max_tokens=9,
+            engines=[name],
+            argv=argv,
             out=tmp_path,
-        )  # fmt: skip
+        )
         bench.run_engine(name, args, log)
     ar, tree = FakeLLM.instances
     assert ar.requests == tree.requests  # same prompts, lengths, temperatures, same order
     measured = [r for r in ar.requests if r[1] == 9]  # warm-up requests have 8 tokens
-    want = [(tuple(prompts[i]), 9, t) for t in (0.0, 1.0) for c in (1, 4)
-            for i in bench.request_schedule(5, c)]  # fmt: skip
+    want = [
+        (tuple(prompts[i]), 9, t)
+        for t in (0.0, 1.0)
+        for c in (1, 4)
+        for i in bench.request_schedule(5, c)
+    ]
     assert measured == want
     result = json.loads((tmp_path / "ddtree-16.json").read_text())
     assert result["prompts_sha256"] == prompt_set["sha256"]
@@ -392,7 +434,8 @@ def test_bad_flag_values_name_the_flag(tmp_path, flags, message):
 
 
 def test_bench_plot_tokens_ratio_and_tau_panels(tmp_path):
-    rows = report.add_ratios(_grid() + [_row("dflash", 16, 0.0, 3000.0, 2.0),
-                                        _row("ar", 1, 1.0, 400.0)])  # fmt: skip
+    rows = report.add_ratios(
+        _grid() + [_row("dflash", 16, 0.0, 3000.0, 2.0), _row("ar", 1, 1.0, 400.0)]
+    )
     report.plot(rows, tmp_path / "bench.png", "test")
     assert (tmp_path / "bench.png").stat().st_size > 0

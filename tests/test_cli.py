@@ -53,11 +53,26 @@ def test_bench_plot_with_and_without_ddtree_rows(tmp_path, with_tree):
     """`ddtree bench`'s plot: chain-only runs (e.g. the engine-settings comparison) plot too."""
     from ddtree.bench.vllm import METHODS, plot
 
-    rows = [{"engine": name, "concurrency": c, "temperature": 0.0, "tokens_per_s": 100.0 + c,
-             "tau": 2.0, "ms_per_step": 5.0} for name in METHODS[:-1] for c in (1, 4)]  # fmt: skip
+    rows = [
+        {
+            "engine": name,
+            "concurrency": c,
+            "temperature": 0.0,
+            "tokens_per_s": 100.0 + c,
+            "tau": 2.0,
+            "ms_per_step": 5.0,
+        }
+        for name in METHODS[:-1]
+        for c in (1, 4)
+    ]
     if with_tree:
-        tree = {"concurrency": 1, "temperature": 0.0, "tokens_per_s": 90.0, "tau": 3.0,
-                "ms_per_step": 7.0}  # fmt: skip
+        tree = {
+            "concurrency": 1,
+            "temperature": 0.0,
+            "tokens_per_s": 90.0,
+            "tau": 3.0,
+            "ms_per_step": 7.0,
+        }
         rows += [{"engine": f"ddtree-{b}", **tree} for b in (16, 64)]
     plot(rows, tmp_path / "bench.png", "test")
     assert (tmp_path / "bench.png").stat().st_size > 0
@@ -71,8 +86,15 @@ def test_bench_refuses_unknown_methods(tmp_path):
 def _serve_args(**kw):
     import argparse
 
-    base = {"model": None, "draft": None, "host": "127.0.0.1", "port": 8000, "budget": 64,
-            "max_num_seqs": 32, "method": "ddtree"}  # fmt: skip
+    base = {
+        "model": None,
+        "draft": None,
+        "host": "127.0.0.1",
+        "port": 8000,
+        "budget": 64,
+        "max_num_seqs": 32,
+        "method": "ddtree",
+    }
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -91,7 +113,10 @@ def test_serve_command_methods(model_dirs):
     assert tree[-2:] == ["--seed", "0"]  # the user's vLLM arguments come last
     chain = serve_command(_serve_args(model=target, draft=drafter, method="dflash"), [])
     block = json.loads((model_dirs[1] / "config.json").read_text())["block_size"]
-    assert _spec(chain) == {"method": "dflash", "model": drafter,
-                            "num_speculative_tokens": block - 1}  # fmt: skip
+    assert _spec(chain) == {
+        "method": "dflash",
+        "model": drafter,
+        "num_speculative_tokens": block - 1,
+    }
     assert chain[chain.index("--max-num-seqs") + 1] == "32"
     assert _spec(serve_command(_serve_args(model=target, draft=drafter, budget=0), [])) is None

@@ -53,7 +53,8 @@ def test_choice_is_the_largest_candidate_within_the_ratio(budget, depth, ratio, 
         assert chain <= steps <= budget
         limit = ratio * cost(b * (1 + chain))
         fits = [
-            s for s in candidate_budgets(budget, depth)
+            s
+            for s in candidate_budgets(budget, depth)
             if s == chain or (b * (1 + s) <= max_tokens and cost(b * (1 + s)) <= limit)
-        ]  # fmt: skip
+        ]
         assert steps == max(fits)

@@ -61,19 +61,37 @@ def test_chain_mask_equals_vllm_causal_kernel(isa, block_size):
     qsl = torch.tensor([0, num_queries], dtype=torch.int32)
     seq_lens = torch.tensor([seq_len], dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD, seq_lens=seq_lens,
-        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        num_reqs=1,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD,
+        seq_lens=seq_lens,
+        dtype=torch.float32,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
         enable_kv_split=False,
-    )  # fmt: skip
+    )
     view = kv_cache.view(kv_cache.shape[0], KV_HEADS, block_size * 2, HEAD)
     key_cache, value_cache = view.chunk(2, dim=2)
     want = torch.zeros_like(query)
     ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=want,
-        query_start_loc=qsl, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-        sliding_window=-1, block_table=table.view(1, -1), softcap=0.0,
-        scheduler_metadata=meta, s_aux=None,
-    )  # fmt: skip
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=want,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=table.view(1, -1),
+        softcap=0.0,
+        scheduler_metadata=meta,
+        s_aux=None,
+    )
     chain = torch.ones(num_queries, num_queries, dtype=torch.bool).tril()
     got = tree_attention(query, kv_cache, table, seq_len, chain, scale, keys, values)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -89,8 +107,9 @@ def test_tree_mask_matches_dense_reference():
     # Dense reference: explicit softmax over allowed keys, each kv head shared by 2 heads.
     k = keys.repeat_interleave(HEADS // KV_HEADS, 1)
     v = values.repeat_interleave(HEADS // KV_HEADS, 1)
-    allowed = torch.cat([torch.ones(num_queries, seq_len - num_queries, dtype=torch.bool),
-                         tree.mask[0]], 1)  # fmt: skip
+    allowed = torch.cat(
+        [torch.ones(num_queries, seq_len - num_queries, dtype=torch.bool), tree.mask[0]], 1
+    )
     scores = torch.einsum("qhd,khd->hqk", query, k) * 0.125
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     want = torch.einsum("hqk,khd->qhd", probs, v)
@@ -120,12 +139,15 @@ def test_batched_requests_with_unscheduled_slots_equal_one_by_one():
     tables = torch.nn.utils.rnn.pad_sequence([table0, table1 + cache0.shape[0]], batch_first=True)
     queries = [torch.randn(n, HEADS, HEAD, generator=gen) for n in counts]
     # The step: 2 unrelated rows, request 0's 7 rows, 1 unrelated row, request 1's 4 rows.
-    step_q = torch.cat([torch.randn(2, HEADS, HEAD), queries[0], torch.randn(1, HEADS, HEAD),
-                        queries[1]])  # fmt: skip
-    step_k = torch.cat([torch.randn(2, KV_HEADS, HEAD), k0[33:], torch.randn(1, KV_HEADS, HEAD),
-                        k1[21:]])  # fmt: skip
-    step_v = torch.cat([torch.randn(2, KV_HEADS, HEAD), v0[33:], torch.randn(1, KV_HEADS, HEAD),
-                        v1[21:]])  # fmt: skip
+    step_q = torch.cat(
+        [torch.randn(2, HEADS, HEAD), queries[0], torch.randn(1, HEADS, HEAD), queries[1]]
+    )
+    step_k = torch.cat(
+        [torch.randn(2, KV_HEADS, HEAD), k0[33:], torch.randn(1, KV_HEADS, HEAD), k1[21:]]
+    )
+    step_v = torch.cat(
+        [torch.randn(2, KV_HEADS, HEAD), v0[33:], torch.randn(1, KV_HEADS, HEAD), v1[21:]]
+    )
     rows = torch.tensor([[2, 3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 10, 10, 10]])
     scheduled = torch.arange(7) < torch.tensor(counts)[:, None]
     flat_slots = scheduled.flatten().nonzero().squeeze(1)
@@ -136,8 +158,9 @@ def test_batched_requests_with_unscheduled_slots_equal_one_by_one():
     for r in range(2):
         n, c = counts[r], contexts[r]
         cache, table, keys, values = caches[r]
-        want = tree_attention(queries[r], cache, table, c + n, trees.mask[r, :n, :n], 0.125,
-                              keys, values)  # fmt: skip
+        want = tree_attention(
+            queries[r], cache, table, c + n, trees.mask[r, :n, :n], 0.125, keys, values
+        )
         first = sum(counts[:r])
         torch.testing.assert_close(got[first : first + n], want, atol=1e-5, rtol=1e-5)
 

@@ -51,9 +51,14 @@ def test_flash_prefix_matches_reference_and_does_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want, want_lse = cpu_tree_attention.prefix_attention(
-        query, kv_cache, tables, contexts, counts, impl.scale,
+        query,
+        kv_cache,
+        tables,
+        contexts,
+        counts,
+        impl.scale,
         read=flash_tree_attention.read_paged_kv,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=0)
     torch.testing.assert_close(out, want, atol=2e-2, rtol=0)
 
@@ -96,15 +101,28 @@ def test_triton_kernel_matches_merged_path_in_bf16():
     context = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     impl = SimpleNamespace(scale=HEAD**-0.5)  # the reference needs no vLLM
     out_p, lse_p = cpu_tree_attention.prefix_attention(
-        query[flat_rows], kv_cache, tables, contexts, counts, impl.scale,
+        query[flat_rows],
+        kv_cache,
+        tables,
+        contexts,
+        counts,
+        impl.scale,
         read=flash_tree_attention.read_paged_kv,
-    )  # fmt: skip
+    )
     out_s, lse_s = suffix_attention(query, key, value, rows, trees.mask, impl.scale)
     want = merge(out_p, lse_p, out_s[flat_slots], lse_s[flat_slots])
     output = torch.zeros_like(query)
     triton_tree_attention.tree_attention(
-        query, key, value, kv_cache, output, rows,
-        torch.tensor(counts, dtype=torch.int32, device="cuda"), trees.mask, context, tables,
+        query,
+        key,
+        value,
+        kv_cache,
+        output,
+        rows,
+        torch.tensor(counts, dtype=torch.int32, device="cuda"),
+        trees.mask,
+        context,
+        tables,
         impl.scale,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(output[flat_rows].float(), want, atol=2e-2, rtol=0)

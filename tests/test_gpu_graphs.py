@@ -86,10 +86,18 @@ def test_tree_attention_at_512_slots_matches_reference(kernel):
         from ddtree.vllm_plugin.attention import triton_kernel as triton_tree_attention
 
         triton_tree_attention.tree_attention(
-            query, key, value, kv_cache, output, rows,
-            torch.tensor(counts, dtype=torch.int32, device="cuda"), trees.mask, context,
-            tables, scale,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            kv_cache,
+            output,
+            rows,
+            torch.tensor(counts, dtype=torch.int32, device="cuda"),
+            trees.mask,
+            context,
+            tables,
+            scale,
+        )
     else:
         fa_utils = pytest.importorskip("vllm.v1.attention.backends.fa_utils")
         impl = SimpleNamespace(

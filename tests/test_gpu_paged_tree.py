@@ -16,8 +16,9 @@ HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 def _batch(seed: int, budget: int, contexts: list[int]):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_reqs, slots = len(contexts), budget + 1
-    trees = ddtree.build_tree(torch.randn(num_reqs, 15, 800, device="cuda", generator=gen) * 3,
-                              budget)  # fmt: skip
+    trees = ddtree.build_tree(
+        torch.randn(num_reqs, 15, 800, device="cuda", generator=gen) * 3, budget
+    )
     num_blocks = 128 * num_reqs
     cache = torch.randn(num_blocks, BLOCK, KV_HEADS, 2 * HEAD, device="cuda", generator=gen)
     kv_cache = cache.bfloat16().permute(0, 2, 1, 3)  # logical view over NHD memory
@@ -27,9 +28,16 @@ def _batch(seed: int, budget: int, contexts: list[int]):
     seq_lens = torch.tensor(contexts, device="cuda", dtype=torch.int32) + slots
     query = torch.randn(num_reqs * slots, HEADS, HEAD, device="cuda", generator=gen).bfloat16()
     tree_rows = torch.arange(num_reqs, device="cuda", dtype=torch.int32)
-    return dict(query=query, kv_cache=kv_cache, query_start_loc=qsl, seq_lens=seq_lens,
-                block_table=tables, tree_rows=tree_rows, depths=trees.depths.int().contiguous(),
-                ancestors=trees.ancestors.int().contiguous()), trees  # fmt: skip
+    return dict(
+        query=query,
+        kv_cache=kv_cache,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_table=tables,
+        tree_rows=tree_rows,
+        depths=trees.depths.int().contiguous(),
+        ancestors=trees.ancestors.int().contiguous(),
+    ), trees
 
 
 def _check(args, trees, output, contexts, slots_checked):
@@ -40,8 +48,9 @@ def _check(args, trees, output, contexts, slots_checked):
             seen = trees.mask[r, i].nonzero().squeeze(1)
             pos = torch.cat([torch.arange(context, device="cuda"), context + seen])
             rows = kv_cache[tables[r, pos // BLOCK].long(), :, pos % BLOCK].float()
-            want, _ = attend_with_lse(query[r * slots + i][None], rows[..., :HEAD],
-                                      rows[..., HEAD:], HEAD**-0.5)  # fmt: skip
+            want, _ = attend_with_lse(
+                query[r * slots + i][None], rows[..., :HEAD], rows[..., HEAD:], HEAD**-0.5
+            )
             got = output[r * slots + i].float()
             torch.testing.assert_close(got, want[0], atol=2e-2, rtol=2e-2)
 
@@ -59,8 +68,7 @@ def test_paged_tree_kernel_bf16_and_graph_replay(budget):
     paged_tree_attention(output=graph_out, scale=HEAD**-0.5, max_query_len=budget + 1, **args)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_tree_attention(output=graph_out, scale=HEAD**-0.5, max_query_len=budget + 1,
-                             **args)  # fmt: skip
+        paged_tree_attention(output=graph_out, scale=HEAD**-0.5, max_query_len=budget + 1, **args)
     contexts2 = [40, 700, 1020]
     args2, trees2 = _batch(1, budget, contexts2)
     for name in ("query", "seq_lens", "block_table", "depths", "ancestors"):
@@ -77,6 +85,7 @@ def test_paged_tree_kernel_bf16_and_graph_replay(budget):
         seen = trees2.mask[r, i].nonzero().squeeze(1)
         pos = torch.cat([torch.arange(1020, device="cuda"), 1020 + seen])
         rows = args["kv_cache"][args["block_table"][r, pos // BLOCK].long(), :, pos % BLOCK].float()
-        want, _ = attend_with_lse(args["query"][r * slots + i][None], rows[..., :HEAD],
-                                  rows[..., HEAD:], HEAD**-0.5)  # fmt: skip
+        want, _ = attend_with_lse(
+            args["query"][r * slots + i][None], rows[..., :HEAD], rows[..., HEAD:], HEAD**-0.5
+        )
         torch.testing.assert_close(graph_out[r * slots + i].float(), want[0], atol=2e-2, rtol=2e-2)

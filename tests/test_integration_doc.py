@@ -18,8 +18,9 @@ def test_every_patched_symbol_is_documented():
         "patches._patch_v2_runner()\n"
         "print('PATCHED ' + ' '.join(hooks.PATCHED))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
     line = next(x for x in done.stdout.splitlines() if x.startswith("PATCHED "))
     patched = line.split()[1:]
     assert len(patched) >= 19, patched  # 12 common + V1 + CPU attention, 7 V2

@@ -29,7 +29,7 @@ if not INTERPRETING:
                 "-W",
                 "ignore::DeprecationWarning",
                 __file__,
-            ],  # fmt: skip
+            ],
             env=env,
             capture_output=True,
             text=True,

@@ -34,8 +34,9 @@ def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:
     counts, contexts = [num_slots, 7, 9, 0], [37, 5, 70, 0]
     tree_rows = torch.tensor([2, -1, 0, -1], dtype=torch.int32)  # rows of the tree tables
     qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([c + n for c, n in zip(contexts, counts, strict=True)],
-                            dtype=torch.int32)  # fmt: skip
+    seq_lens = torch.tensor(
+        [c + n for c, n in zip(contexts, counts, strict=True)], dtype=torch.int32
+    )
     num_blocks = 24
     tables = torch.randperm(num_blocks, generator=gen)[: 4 * 6].view(4, 6).int()
     memory = torch.randn(num_blocks, block, kv_heads, 2 * head, generator=gen)
@@ -46,8 +47,20 @@ def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:
     output = torch.full_like(query, poison)
     depths = trees.depths.int().contiguous()
     ancestors = trees.ancestors.int().contiguous()
-    paged_tree_attention(query, kv_cache, output, qsl, seq_lens, tables, tree_rows, depths,
-                         ancestors, head**-0.5, max(counts), rows_per_program=16)  # fmt: skip
+    paged_tree_attention(
+        query,
+        kv_cache,
+        output,
+        qsl,
+        seq_lens,
+        tables,
+        tree_rows,
+        depths,
+        ancestors,
+        head**-0.5,
+        max(counts),
+        rows_per_program=16,
+    )
 
     def cached(r, positions):
         pos = torch.tensor(positions, dtype=torch.long)

@@ -48,9 +48,11 @@ def test_proposal_is_the_tree_plus_a_padding_row():
     logprobs, token_ids = draft_topk(logits, 40)
     pad = (0, 0, 0, 0, 0, 1)  # 3 requests -> bucket 4
     proposal, drafts = make_proposal(
-        torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(token_ids, pad),
-        budget=40, chain_seed=True,
-    )  # fmt: skip
+        torch.nn.functional.pad(logprobs, pad),
+        torch.nn.functional.pad(token_ids, pad),
+        budget=40,
+        chain_seed=True,
+    )
     want = ddtree.build_tree(logits, 40, chain_seed=True)
     assert proposal.tokens.shape == (5, 41) and drafts.shape == (4, 40)
     for name in ("tokens", "parents", "depths", "mask", "ancestors"):

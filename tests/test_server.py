@@ -19,10 +19,14 @@ def _chats(server):
     client, model = _client(server)
     out = []
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "def quicksort(items):"}],
-        max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": "def quicksort(items):"}],
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
         stop=["return"],
-    )  # fmt: skip
+    )
     text, reason, usage = "", None, None
     for chunk in stream:
         if chunk.choices:
@@ -32,12 +36,19 @@ def _chats(server):
             usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
     out.append((text, reason, usage))
     done = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "class Stack:"}],
-        max_tokens=40, temperature=0,
-    )  # fmt: skip
+        model=model,
+        messages=[{"role": "user", "content": "class Stack:"}],
+        max_tokens=40,
+        temperature=0,
+    )
     c = done.choices[0]
-    out.append((c.message.content, c.finish_reason,
-                (done.usage.prompt_tokens, done.usage.completion_tokens)))  # fmt: skip
+    out.append(
+        (
+            c.message.content,
+            c.finish_reason,
+            (done.usage.prompt_tokens, done.usage.completion_tokens),
+        )
+    )
     return out
 
 
@@ -53,12 +64,18 @@ def test_server_ddtree_answers_like_no_spec(servers):
         assert message is not None, f"{kwargs} was not refused"
         assert "ddtree" in message or "speculative decoding" in message, message  # vLLM's own
     assert want[1][2][1] > 0  # tokens were generated
-    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"):  # fmt: skip
+    for name in (
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    ):
         assert name in metrics, name
-    accepted = [line for line in metrics.splitlines()
-                if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]  # fmt: skip
+    accepted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    ]
     assert float(accepted[0].split()[-1]) > 0  # the tree got tokens accepted
 
 
@@ -81,9 +98,12 @@ def _unsupported_requests(server):
     for kwargs in UNSUPPORTED:
         try:
             client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "x = "}],
-                max_tokens=4, temperature=1.0, **kwargs,  # T=0 would reset min_p
-            )  # fmt: skip
+                model=model,
+                messages=[{"role": "user", "content": "x = "}],
+                max_tokens=4,
+                temperature=1.0,
+                **kwargs,  # T=0 would reset min_p
+            )
             out.append((kwargs, None))
         except openai.BadRequestError as err:
             out.append((kwargs, str(err)))

@@ -15,8 +15,9 @@ from ddtree.bench.soak import root_cause, soak  # noqa: E402
 
 def test_soak_45_seconds(servers, tmp_path):
     server, reference = servers
-    args = SimpleNamespace(duration=45, clients=4, max_tokens=32, max_requests=None, seed=0,
-                           out=tmp_path)  # fmt: skip
+    args = SimpleNamespace(
+        duration=45, clients=4, max_tokens=32, max_requests=None, seed=0, out=tmp_path
+    )
     code = soak(args, server, reference)
     logs = "".join(root_cause(Path(s.log.name).read_text(errors="replace")) for s in servers)
     summary = json.loads((tmp_path / "soak.json").read_text())

@@ -21,8 +21,12 @@ def mismatch(ours: str, ref: str, reasons=("length", "length"), stop=None) -> di
     args = {"prompt": "def add(a, b):\n", "max_tokens": 16, "temperature": 0.0}
     if stop:
         args["stop"] = [stop]
-    return {"request": {"args": args}, "texts": [ours], "reasons": [reasons[0]],
-            "no_spec": {"texts": [ref], "reasons": [reasons[1]]}}  # fmt: skip
+    return {
+        "request": {"args": args},
+        "texts": [ours],
+        "reasons": [reasons[0]],
+        "no_spec": {"texts": [ref], "reasons": [reasons[1]]},
+    }
 
 
 def test_split_at_first_differing_token(tok):
@@ -48,9 +52,12 @@ def test_equal_answers_have_no_split(tok):
 
 
 def test_summary_counts_sides():
-    rows = [{"kind": "split", "margin": 0.1, "in_top2": True},
-            {"kind": "split", "margin": -0.3, "in_top2": True},
-            {"kind": "split", "margin": -5.0, "in_top2": False}, {"kind": "prefix"}]  # fmt: skip
+    rows = [
+        {"kind": "split", "margin": 0.1, "in_top2": True},
+        {"kind": "split", "margin": -0.3, "in_top2": True},
+        {"kind": "split", "margin": -5.0, "in_top2": False},
+        {"kind": "prefix"},
+    ]
     s = soak_margins.summarize(rows, compared=10)
     assert s["mismatches"] == 4 and s["one_answer_is_prefix_of_other"] == 1
     assert s["float32_prefers_server"] == 1 and s["float32_prefers_no_spec"] == 2

@@ -47,14 +47,28 @@ def test_drafter_batch_blocks_see_only_the_past():
 
 def test_tiny_end_to_end_and_resume(tmp_path):
     out = tmp_path / "m"
-    argv = ["train", "all", "--out", str(out), "--tiny", "--vocab-size", "400",
-            "--target-steps", "6", "--drafter-steps", "4", "--distill-tokens", "300"]  # fmt: skip
+    argv = [
+        "train",
+        "all",
+        "--out",
+        str(out),
+        "--tiny",
+        "--vocab-size",
+        "400",
+        "--target-steps",
+        "6",
+        "--drafter-steps",
+        "4",
+        "--distill-tokens",
+        "300",
+    ]
     assert main(argv) == 0
     tok = AutoTokenizer.from_pretrained(out / "target")
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"):
         assert tok.convert_tokens_to_ids(special) != tok.unk_token_id
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
     drafter = load_drafter(out / "drafter", target.config, dtype=torch.float32)

@@ -51,16 +51,26 @@ def check():
     flat_rows = rows.flatten()[flat_slots]
     scale = HEAD**-0.5
 
-    out_p, lse_p = prefix_attention(query[flat_rows], kv_cache, tables, contexts, counts, scale,
-                                    read=read_paged_kv)  # fmt: skip
+    out_p, lse_p = prefix_attention(
+        query[flat_rows], kv_cache, tables, contexts, counts, scale, read=read_paged_kv
+    )
     out_s, lse_s = suffix_attention(query, key, value, rows, trees.mask, scale)
     want = merge(out_p, lse_p, out_s[flat_slots], lse_s[flat_slots])
 
     output = torch.full_like(query, 7.0)
     kernel_module.tree_attention(
-        query, key, value, kv_cache, output, rows, torch.tensor(counts, dtype=torch.int32),
-        trees.mask, torch.tensor(contexts, dtype=torch.int32), tables, scale,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        kv_cache,
+        output,
+        rows,
+        torch.tensor(counts, dtype=torch.int32),
+        trees.mask,
+        torch.tensor(contexts, dtype=torch.int32),
+        tables,
+        scale,
+    )
     torch.testing.assert_close(output[flat_rows], want, atol=1e-4, rtol=1e-4)
     others = torch.ones(num_rows, dtype=torch.bool)
     others[flat_rows] = False

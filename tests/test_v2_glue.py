@@ -51,8 +51,7 @@ def check() -> None:
     qsl = torch.tensor([0, q, q + 6, q + 13, q + 13], dtype=torch.int32)
     idx_mapping = torch.tensor([5, 0, 2], dtype=torch.int32)
     cu_logits = torch.tensor([0, q, q + 1, q + 8], dtype=torch.int32)  # drafts + bonus
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, counts,
-                                                                    strict=True)])  # fmt: skip
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, counts, strict=True)])
     positions = torch.cat([positions, torch.full((3,), 99)])  # padded token rows
     sequential = positions.clone()
     tree_rows = engine.tables.tree_rows
@@ -75,8 +74,9 @@ def check() -> None:
         sample=lambda logits, *args: (logits.argmax(-1), logits),
         req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.tensor([6] * 8))),
     )
-    seq_lens = torch.tensor([c + n for c, n in zip(contexts, counts, strict=True)],
-                            dtype=torch.int32)  # fmt: skip
+    seq_lens = torch.tensor(
+        [c + n for c, n in zip(contexts, counts, strict=True)], dtype=torch.int32
+    )
     # KV: one layer, FlashAttention's logical view; slot of token row t = 1000 + t.
     num_blocks = 200
     memory = torch.randn(num_blocks, BLOCK, 2, 8, generator=gen)
@@ -86,11 +86,18 @@ def check() -> None:
     slots = (1000 + torch.arange(64)).view(1, 64)
     engine.slot_mappings = slots
     batch = SimpleNamespace(
-        logits_indices=torch.arange(int(cu_logits[-1])), expanded_idx_mapping=None,
-        idx_mapping_np=None, positions=positions, input_ids=torch.zeros(64, dtype=torch.long),
-        expanded_local_pos=None, num_reqs=num_reqs, cu_num_logits=cu_logits,
-        seq_lens=seq_lens, idx_mapping=idx_mapping, query_start_loc=qsl,
-    )  # fmt: skip
+        logits_indices=torch.arange(int(cu_logits[-1])),
+        expanded_idx_mapping=None,
+        idx_mapping_np=None,
+        positions=positions,
+        input_ids=torch.zeros(64, dtype=torch.long),
+        expanded_local_pos=None,
+        num_reqs=num_reqs,
+        cu_num_logits=cu_logits,
+        seq_lens=seq_lens,
+        idx_mapping=idx_mapping,
+        query_start_loc=qsl,
+    )
     out = TreeSampler(engine, fake_sampler, BUDGET)(logits, batch)
 
     from ddtree.vllm_plugin.state import gather_tree

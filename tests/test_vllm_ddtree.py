@@ -30,14 +30,14 @@ VOCAB = 8192
 
 
 def _sampled(llm):
-    params = vllm.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=1,
-                                 ignore_eos=True)  # fmt: skip
+    params = vllm.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=1, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
 
 
 def _counts(llm):
-    return token_counts(llm, SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES, VOCAB, temperature=1.0,
-                        top_p=0.95)  # fmt: skip
+    return token_counts(
+        llm, SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES, VOCAB, temperature=1.0, top_p=0.95
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,11 @@ def test_engines_in_one_process_keep_their_own_state(no_spec):
 
 
 def _spec_counts(llm) -> dict[str, float]:
-    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}  # fmt: skip
+    return {
+        m.name.removeprefix("vllm:spec_decode_"): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
+    }
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs two CPU cores")
@@ -113,8 +116,12 @@ def test_tensor_parallel_ddtree(no_spec, monkeypatch):
     cores = sorted(os.sched_getaffinity(0))[:2]
     # vLLM's CPU workers bind one NUMA node each unless told which cores to take.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
-    with engine(spec=ddtree_spec(64), tensor_parallel_size=2,
-                distributed_executor_backend="mp", disable_log_stats=False) as llm:  # fmt: skip
+    with engine(
+        spec=ddtree_spec(64),
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        disable_log_stats=False,
+    ) as llm:
         assert greedy(llm) == no_spec[0]
         counts = _spec_counts(llm)  # of the greedy requests
         assert counts["num_drafts"] > 0 and counts["num_accepted_tokens"] > counts["num_drafts"]
@@ -180,8 +187,12 @@ def test_step_budget_follows_the_batch_but_keeps_the_chain():
 def test_budget_above_batched_tokens_is_refused():
     spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 512}
     with pytest.raises(ValueError, match="must be below max_num_batched_tokens"):
-        vllm.LLM(model=str(MODELS / "target"), speculative_config=spec,
-                 max_num_batched_tokens=256, gpu_memory_utilization=0.2)  # fmt: skip
+        vllm.LLM(
+            model=str(MODELS / "target"),
+            speculative_config=spec,
+            max_num_batched_tokens=256,
+            gpu_memory_utilization=0.2,
+        )
 
 
 def test_scheduler_keeps_room_for_whole_trees():
@@ -192,9 +203,12 @@ def test_scheduler_keeps_room_for_whole_trees():
 
     spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 511}
     config = EngineArgs(
-        model=str(MODELS / "target"), speculative_config=spec, max_num_seqs=16,
-        max_num_batched_tokens=8192, max_model_len=2048,
-    ).create_engine_config()  # fmt: skip
+        model=str(MODELS / "target"),
+        speculative_config=spec,
+        max_num_seqs=16,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+    ).create_engine_config()
     assert config.speculative_config.max_num_new_slots_for_drafting == 14
     assert config.scheduler_config.max_num_scheduled_tokens == 8192 - 14 * 16
 
@@ -227,8 +241,12 @@ def test_bad_environment_is_refused(monkeypatch, env, message):
 def test_environment_settings(monkeypatch):
     from ddtree.vllm_plugin.config import Settings
 
-    for name, value in {"DDTREE_TREE_ATTENTION": "merge", "DDTREE_CUDA_GRAPHS": "0",
-                        "DDTREE_SYNC_DEBUG": "warn", "DDTREE_PROFILE": "20"}.items():  # fmt: skip
+    for name, value in {
+        "DDTREE_TREE_ATTENTION": "merge",
+        "DDTREE_CUDA_GRAPHS": "0",
+        "DDTREE_SYNC_DEBUG": "warn",
+        "DDTREE_PROFILE": "20",
+    }.items():
         monkeypatch.setenv(name, value)
     assert Settings.from_env() == Settings("merge", False, "warn", 20, False)
 
@@ -275,8 +293,11 @@ def _cuda_args(async_scheduling=None, cudagraph_mode=None):
     from vllm.config.compilation import CUDAGraphMode
 
     mode = None if cudagraph_mode is None else CUDAGraphMode[cudagraph_mode]
-    return SimpleNamespace(async_scheduling=async_scheduling, enforce_eager=False,
-                           compilation_config=SimpleNamespace(cudagraph_mode=mode))  # fmt: skip
+    return SimpleNamespace(
+        async_scheduling=async_scheduling,
+        enforce_eager=False,
+        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+    )
 
 
 @pytest.mark.parametrize(
@@ -358,13 +379,14 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, message):
         prefill_context_parallel_size=1,
     )
     config = SimpleNamespace(
-        parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=parallel,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
         model_config=SimpleNamespace(uses_mrope=False),
         compilation_config=SimpleNamespace(
             cudagraph_mode=CUDAGraphMode[mode] if mode else CUDAGraphMode.FULL_AND_PIECEWISE
         ),
         speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
-    )  # fmt: skip
+    )
     with pytest.raises((ValueError, NotImplementedError), match=message):
         check_settings(config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE

@@ -16,15 +16,15 @@ BLOCK = 32
 
 def _run(spec):
     with engine(
-        spec=spec, max_model_len=MAX_MODEL_LEN, block_size=BLOCK,
+        spec=spec,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK,
         num_gpu_blocks_override=16,  # 512 slots for 4 x 384: preemption
         disable_log_stats=False,
-    ) as llm:  # fmt: skip
+    ) as llm:
         params = vllm.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         outs = llm.generate(PROMPTS, params)
-        preempted = sum(
-            m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
-        )  # fmt: skip
+        preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs], preempted
 
 
@@ -49,9 +49,11 @@ def _eos_model(tmp_path: Path, eos: int) -> Path:
     for f in (MODELS / "target").iterdir():
         (model / f.name).symlink_to(f)
     token = AutoTokenizer.from_pretrained(MODELS / "target").convert_ids_to_tokens(eos)
-    for name, key, value in (("config.json", "eos_token_id", eos),
-                             ("generation_config.json", "eos_token_id", eos),
-                             ("tokenizer_config.json", "eos_token", token)):  # fmt: skip
+    for name, key, value in (
+        ("config.json", "eos_token_id", eos),
+        ("generation_config.json", "eos_token_id", eos),
+        ("tokenizer_config.json", "eos_token", token),
+    ):
         data = json.loads((MODELS / "target" / name).read_text())
         data[key] = value
         (model / name).unlink()

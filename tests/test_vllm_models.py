@@ -11,13 +11,20 @@ from models import known_pair, make_drafter, make_target  # noqa: E402
 
 
 def _engine(target_dir, spec):
-    return engine(target_dir, spec=spec, skip_tokenizer_init=True, max_model_len=512,
-                  max_num_batched_tokens=1024)  # fmt: skip
+    return engine(
+        target_dir,
+        spec=spec,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        max_num_batched_tokens=1024,
+    )
 
 
 def _run(target_dir, spec, prompts, max_tokens):
-    params = [vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
-                                  detokenize=False) for n in max_tokens]  # fmt: skip
+    params = [
+        vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in max_tokens
+    ]
     with _engine(target_dir, spec) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [list(o.outputs[0].token_ids) for o in outs]

@@ -126,21 +126,27 @@ def profile_table(rows: list[dict]) -> str | None:
     stages: list[str] = []
     for row in profiled:
         stages += [s for s in row["profile"]["ms_per_step"] if s not in stages]
-    lines = ["| engine | c | T | steps | " + " | ".join(stages) + " |",
-             "|---|---:|---:|---:|" + "---:|" * len(stages)]  # fmt: skip
+    lines = [
+        "| engine | c | T | steps | " + " | ".join(stages) + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(stages),
+    ]
     for row in profiled:
         ms = row["profile"]["ms_per_step"]
         cells = [f"{ms[s]:.2f}" if s in ms else "-" for s in stages]
-        lines.append(f"| {row['engine']} | {row['concurrency']} | {row['temperature']:g} | "
-                     f"{row['profile']['steps']} | " + " | ".join(cells) + " |")  # fmt: skip
+        lines.append(
+            f"| {row['engine']} | {row['concurrency']} | {row['temperature']:g} | "
+            f"{row['profile']['steps']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
 def summary_markdown(rows: list[dict], engines: list[str]) -> str:
     """What ``ddtree bench`` prints at the end (and writes to ``bench.md``)."""
     ratio_key = reference_key(rows)
-    against = {"tokens_per_s_vs_dflash": f"{CHAIN} (vLLM's default chain)",
-               "tokens_per_s_vs_ar": f"{NO_SPEC} (no-spec)"}.get(ratio_key)  # fmt: skip
+    against = {
+        "tokens_per_s_vs_dflash": f"{CHAIN} (vLLM's default chain)",
+        "tokens_per_s_vs_ar": f"{NO_SPEC} (no-spec)",
+    }.get(ratio_key)
     requests = {r["concurrency"]: r.get("requests", "?") for r in rows}
     first = rows[0] if rows else {}
     parts = [
@@ -158,10 +164,18 @@ def summary_markdown(rows: list[dict], engines: list[str]) -> str:
     ]
     profiles = profile_table(rows)
     if profiles:
-        parts += ["", "DDTree step split (DDTREE_PROFILE, synchronized, ms per step):", "",
-                  profiles]  # fmt: skip
-    parts += [f"profile log of {r['engine']} c={r['concurrency']} T={r['temperature']:g} not read: "
-              f"{r['profile_error']}" for r in rows if "profile_error" in r]  # fmt: skip
+        parts += [
+            "",
+            "DDTree step split (DDTREE_PROFILE, synchronized, ms per step):",
+            "",
+            profiles,
+        ]
+    parts += [
+        f"profile log of {r['engine']} c={r['concurrency']} T={r['temperature']:g} not read: "
+        f"{r['profile_error']}"
+        for r in rows
+        if "profile_error" in r
+    ]
     return "\n".join(parts) + "\n"
 
 
@@ -169,14 +183,24 @@ def _style(engine: str, budgets: list[int]) -> dict:
     import matplotlib
 
     if engine == CHAIN:
-        return {"color": "black", "ls": "--", "lw": 2.5, "marker": "s",
-                "label": f"{CHAIN} (vLLM default chain, reference)"}  # fmt: skip
+        return {
+            "color": "black",
+            "ls": "--",
+            "lw": 2.5,
+            "marker": "s",
+            "label": f"{CHAIN} (vLLM default chain, reference)",
+        }
     if engine == NO_SPEC:
         return {"color": "0.5", "ls": ":", "lw": 2, "marker": "x", "label": "ar (no-spec)"}
     if engine.startswith("ddtree-"):
         share = budgets.index(int(engine[7:])) / max(len(budgets) - 1, 1)
-        return {"color": matplotlib.colormaps["viridis"](0.9 * share), "ls": "-", "lw": 1.8,
-                "marker": "o", "label": f"DDTree B={engine[7:]}"}  # fmt: skip
+        return {
+            "color": matplotlib.colormaps["viridis"](0.9 * share),
+            "ls": "-",
+            "lw": 1.8,
+            "marker": "o",
+            "label": f"DDTree B={engine[7:]}",
+        }
     return {"ls": "-.", "lw": 1.5, "marker": "^", "label": engine}  # other chain settings
 
 
@@ -200,16 +224,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     panels.append(("tau", "tau (mean acceptance length)"))
     temps = sorted({r["temperature"] for r in rows})
     concurrencies = sorted({r["concurrency"] for r in rows})
-    fig, axes = plt.subplots(len(panels), len(temps), figsize=(5.5 * len(temps), 3.6 * len(panels)),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(panels), len(temps), figsize=(5.5 * len(temps), 3.6 * len(panels)), squeeze=False
+    )
     handles = {}
     for col, temperature in enumerate(temps):
         for line_no, (key, label) in enumerate(panels):
             ax = axes[line_no, col]
             for engine in engines:
-                points = sorted((r["concurrency"], r[key]) for r in rows
-                                if r["engine"] == engine and r["temperature"] == temperature
-                                and key in r)  # fmt: skip
+                points = sorted(
+                    (r["concurrency"], r[key])
+                    for r in rows
+                    if r["engine"] == engine and r["temperature"] == temperature and key in r
+                )
                 if not points:
                     continue
                 style = _style(engine, budgets)
@@ -229,7 +256,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         axes[0, col].yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         axes[0, col].yaxis.set_minor_formatter(ticker.NullFormatter())
     fig.tight_layout()
-    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5),
-               fontsize=8)  # fmt: skip
+    fig.legend(
+        handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8
+    )
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

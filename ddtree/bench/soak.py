@@ -76,9 +76,20 @@ class Server:
     def __init__(self, budget: int, args, log: Path, method: str = "ddtree"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--budget", str(budget),
-               "--method", method, "--port", str(self.port),
-               "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddtree.cli",
+            "serve",
+            "--budget",
+            str(budget),
+            "--method",
+            method,
+            "--port",
+            str(self.port),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+        ]
         if args.model:
             cmd += ["--model", args.model] + (["--draft", args.draft] if args.draft else [])
         cmd += ["--", "--seed", "0", *args.vllm_args]
@@ -108,8 +119,9 @@ class Server:
             text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
         except OSError:
             return None
-        values = [float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
-                                               text, re.M)]  # fmt: skip
+        values = [
+            float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        ]
         return sum(values) if values else None
 
     def rss_mib(self) -> float:
@@ -145,8 +157,12 @@ def _prompts(seed: int) -> list[str]:
 def make_request(rng: random.Random, prompts: list[str], max_tokens: int) -> dict:
     """One random request: the OpenAI completion arguments + how to send it."""
     temperature = rng.choice([0.0, 0.0, 0.7, 1.0])
-    req = {"prompt": rng.choice(prompts), "max_tokens": rng.randint(1, max_tokens),
-           "temperature": temperature, "extra_body": {}}  # fmt: skip
+    req = {
+        "prompt": rng.choice(prompts),
+        "max_tokens": rng.randint(1, max_tokens),
+        "temperature": temperature,
+        "extra_body": {},
+    }
     if temperature > 0:
         if rng.random() < 0.5:
             req["top_p"] = rng.choice([0.8, 0.95])
@@ -186,11 +202,19 @@ async def send(client, model: str, request: dict) -> dict:
             choices = sorted(out.choices, key=lambda c: c.index)
             texts = [c.text for c in choices]
             reasons = [c.finish_reason for c in choices]
-        return {"texts": texts, "reasons": reasons, "seconds": time.perf_counter() - start,
-                "error": None}  # fmt: skip
+        return {
+            "texts": texts,
+            "reasons": reasons,
+            "seconds": time.perf_counter() - start,
+            "error": None,
+        }
     except Exception as err:  # noqa: BLE001 - every failure is a finding, recorded
-        return {"texts": None, "reasons": None, "seconds": time.perf_counter() - start,
-                "error": f"{type(err).__name__}: {str(err)[:300]}"}  # fmt: skip
+        return {
+            "texts": None,
+            "reasons": None,
+            "seconds": time.perf_counter() - start,
+            "error": f"{type(err).__name__}: {str(err)[:300]}",
+        }
 
 
 async def drive(args, server: Server, reference: Server | None) -> dict:
@@ -202,8 +226,9 @@ async def drive(args, server: Server, reference: Server | None) -> dict:
     model = (await client.models.list()).data[0].id
     ref_client = None
     if reference is not None:
-        ref_client = openai.AsyncOpenAI(base_url=reference.url + "/v1", api_key="none",
-                                        max_retries=0)  # fmt: skip
+        ref_client = openai.AsyncOpenAI(
+            base_url=reference.url + "/v1", api_key="none", max_retries=0
+        )
     deadline = time.time() + args.duration
     results, samples = [], []
     issued = 0
@@ -221,8 +246,7 @@ async def drive(args, server: Server, reference: Server | None) -> dict:
             greedy = request["args"]["temperature"] == 0 and not request["drop"]
             if greedy and ref_client is not None and got["error"] is None:
                 want = await send(ref_client, model, {**request, "stream": False})
-                record["equal"] = (got["texts"], got["reasons"]) == (want["texts"],
-                                                                      want["reasons"])  # fmt: skip
+                record["equal"] = (got["texts"], got["reasons"]) == (want["texts"], want["reasons"])
                 if not record["equal"]:
                     record["no_spec"] = want
             results.append(record)
@@ -231,20 +255,32 @@ async def drive(args, server: Server, reference: Server | None) -> dict:
     async def monitor() -> None:
         start = time.time()
         while time.time() < deadline and issued < limit:
-            samples.append({"t": round(time.time() - start, 1),
-                            "kv_usage": server.metric("vllm:kv_cache_usage_perc"),
-                            "running": server.metric("vllm:num_requests_running"),
-                            "rss_mib": round(server.rss_mib(), 1)})  # fmt: skip
+            samples.append(
+                {
+                    "t": round(time.time() - start, 1),
+                    "kv_usage": server.metric("vllm:kv_cache_usage_perc"),
+                    "running": server.metric("vllm:num_requests_running"),
+                    "rss_mib": round(server.rss_mib(), 1),
+                }
+            )
             await asyncio.sleep(1)
 
-    samples.append({"t": 0.0, "kv_usage": server.metric("vllm:kv_cache_usage_perc"),
-                    "running": 0, "rss_mib": round(server.rss_mib(), 1)})  # fmt: skip
+    samples.append(
+        {
+            "t": 0.0,
+            "kv_usage": server.metric("vllm:kv_cache_usage_perc"),
+            "running": 0,
+            "rss_mib": round(server.rss_mib(), 1),
+        }
+    )
     await asyncio.gather(monitor(), *(worker(i) for i in range(args.clients)))
     bar.close()
     await asyncio.sleep(3)  # let dropped streams' aborts land
-    after = {"kv_usage": server.metric("vllm:kv_cache_usage_perc"),
-             "running": server.metric("vllm:num_requests_running"),
-             "rss_mib": round(server.rss_mib(), 1)}  # fmt: skip
+    after = {
+        "kv_usage": server.metric("vllm:kv_cache_usage_perc"),
+        "running": server.metric("vllm:num_requests_running"),
+        "rss_mib": round(server.rss_mib(), 1),
+    }
     return summarize(results, samples, after)
 
 
@@ -277,16 +313,21 @@ def plot(summary: dict, path: Path) -> None:
 
     t = [s["t"] for s in summary["timeline"]]
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    for ax, key, label in zip(axes, ("kv_usage", "running", "rss_mib"),
-                              ("KV cache usage", "running requests", "server RSS (MiB)"),
-                              strict=True):  # fmt: skip
+    for ax, key, label in zip(
+        axes,
+        ("kv_usage", "running", "rss_mib"),
+        ("KV cache usage", "running requests", "server RSS (MiB)"),
+        strict=True,
+    ):
         ax.plot(t, [s[key] if s[key] is not None else float("nan") for s in summary["timeline"]])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("seconds")
-    axes[0].set_title(f"ddtree soak: {summary['requests']} requests, "
-                      f"{len(summary['errors'])} errors, "
-                      f"{len(summary['greedy_mismatches'])} greedy mismatches")  # fmt: skip
+    axes[0].set_title(
+        f"ddtree soak: {summary['requests']} requests, "
+        f"{len(summary['errors'])} errors, "
+        f"{len(summary['greedy_mismatches'])} greedy mismatches"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -295,15 +336,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target (default: the bundled pair)")
     parser.add_argument("--draft", default=None, help="DFlash drafter (with --model)")
     parser.add_argument("--budget", type=int, default=64, help="0: a no-spec server")
-    parser.add_argument("--method", choices=("ddtree", "dflash"), default="ddtree",
-                        help="dflash: soak vLLM's DFlash chain (a baseline)")  # fmt: skip
+    parser.add_argument(
+        "--method",
+        choices=("ddtree", "dflash"),
+        default="ddtree",
+        help="dflash: soak vLLM's DFlash chain (a baseline)",
+    )
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
     parser.add_argument("--max-requests", type=int, default=None, help="default: no limit")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--compare", action="store_true",
-                        help="also start a no-spec server: compare greedy answers")  # fmt: skip
+    parser.add_argument(
+        "--compare", action="store_true", help="also start a no-spec server: compare greedy answers"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
 
@@ -332,11 +378,19 @@ def soak(args, server: Server, reference: Server | None) -> int:
     summary["command"] = " ".join(["ddtree", "soak", *sys.argv[2:]])
     (args.out / "soak.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, args.out / "soak.png")
-    keys = ("requests", "greedy_compared", "dropped_streams", "latency_s", "start", "after",
-            "peak_kv_usage")  # fmt: skip
+    keys = (
+        "requests",
+        "greedy_compared",
+        "dropped_streams",
+        "latency_s",
+        "start",
+        "after",
+        "peak_kv_usage",
+    )
     print(json.dumps({k: summary[k] for k in keys}))
-    print(f"errors: {len(summary['errors'])}, greedy mismatches: "
-          f"{len(summary['greedy_mismatches'])}")  # fmt: skip
+    print(
+        f"errors: {len(summary['errors'])}, greedy mismatches: {len(summary['greedy_mismatches'])}"
+    )
     ok = not summary["errors"] and not summary["greedy_mismatches"]
     return 0 if ok else 1
 

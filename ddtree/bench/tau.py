@@ -58,19 +58,37 @@ def measure_tau(
             per_depth: list[int] = []
             t0 = time.perf_counter()
             for i, prompt in enumerate(prompts):
-                r = generate(target, drafter, prompt, method, budget=budget,
-                             max_new_tokens=max_new_tokens, temperature=temperature,
-                             seed=seed + i)  # fmt: skip
+                r = generate(
+                    target,
+                    drafter,
+                    prompt,
+                    method,
+                    budget=budget,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seed=seed + i,
+                )
                 steps += len(r.taus)
                 tokens += sum(r.taus)
-                per_depth = [a + b for a, b in zip(per_depth or [0] * len(r.accepted_per_depth),
-                                                   r.accepted_per_depth, strict=True)]  # fmt: skip
-            rows.append({
-                "method": method, "budget": budget, "temperature": temperature,
-                "tau": tokens / max(steps, 1), "steps": steps,
-                "acceptance_per_depth": [a / max(steps, 1) for a in per_depth],
-                "seconds": round(time.perf_counter() - t0, 2),
-            })  # fmt: skip
+                per_depth = [
+                    a + b
+                    for a, b in zip(
+                        per_depth or [0] * len(r.accepted_per_depth),
+                        r.accepted_per_depth,
+                        strict=True,
+                    )
+                ]
+            rows.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    "temperature": temperature,
+                    "tau": tokens / max(steps, 1),
+                    "steps": steps,
+                    "acceptance_per_depth": [a / max(steps, 1) for a in per_depth],
+                    "seconds": round(time.perf_counter() - t0, 2),
+                }
+            )
             tqdm.write(f"T={temperature} {method} B={budget}: tau {rows[-1]['tau']:.3f}")
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "rows": rows}
 
@@ -85,11 +103,19 @@ def plot_tau(result: dict, path: Path) -> None:
     for temperature in sorted({r["temperature"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["temperature"] == temperature]
         tree = [r for r in rows if r["method"] == "ddtree"]
-        line = ax.plot([r["budget"] for r in tree], [r["tau"] for r in tree], marker="o",
-                       label=f"DDTree, T={temperature:g}")[0]  # fmt: skip
+        line = ax.plot(
+            [r["budget"] for r in tree],
+            [r["tau"] for r in tree],
+            marker="o",
+            label=f"DDTree, T={temperature:g}",
+        )[0]
         chain = next(r for r in rows if r["method"] == "dflash")
-        ax.axhline(chain["tau"], linestyle="--", color=line.get_color(),
-                   label=f"DFlash chain, T={temperature:g}")  # fmt: skip
+        ax.axhline(
+            chain["tau"],
+            linestyle="--",
+            color=line.get_color(),
+            label=f"DFlash chain, T={temperature:g}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree budget B (nodes)")
     ax.set_ylabel("tau (tokens per verify step)")

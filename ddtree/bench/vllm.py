@@ -40,17 +40,34 @@ PROFILE_ENV = "DDTREE_PROFILE"  # read at plugin registration (vllm_plugin/confi
 
 # Qwen3-8B's shapes, and a DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shapes (5 layers).
 QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
-    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=151643,
-    eos_token_id=151645, attention_bias=False, attention_dropout=0.0,
-)  # fmt: skip
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=151643,
+    eos_token_id=151645,
+    attention_bias=False,
+    attention_dropout=0.0,
+)
 DFLASH_8B = dict(
-    QWEN3_8B, architectures=["DFlashDraftModel"], num_hidden_layers=5, block_size=16,
-    num_target_layers=36, dflash_config={"mask_token_id": 151669,
-                                         "target_layer_ids": [1, 9, 17, 25, 33]},
-)  # fmt: skip
+    QWEN3_8B,
+    architectures=["DFlashDraftModel"],
+    num_hidden_layers=5,
+    block_size=16,
+    num_target_layers=36,
+    dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+)
 
 
 def write_dummy_shapes(out: Path) -> tuple[Path, Path]:
@@ -91,14 +108,20 @@ def engine_kwargs(name: str, args) -> dict:
     cuda = torch.cuda.is_available()
     widest = max(args.concurrency) * (1 + max([15, *args.budgets]))
     kw = dict(
-        model=str(args.target), dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=max(args.concurrency), seed=0, disable_log_stats=False,
-        max_num_batched_tokens=max(8192, widest), skip_tokenizer_init=args.dummy,
+        model=str(args.target),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(args.concurrency),
+        seed=0,
+        disable_log_stats=False,
+        max_num_batched_tokens=max(8192, widest),
+        skip_tokenizer_init=args.dummy,
         load_format="dummy" if args.dummy else "auto",
-    )  # fmt: skip
+    )
     if cuda:
-        kw.update(kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-                  gpu_memory_utilization=0.05)  # fmt: skip
+        kw.update(
+            kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05
+        )
     else:
         kw.update(enforce_eager=True, gpu_memory_utilization=0.1)
     if name == "ar":
@@ -113,8 +136,12 @@ def engine_kwargs(name: str, args) -> dict:
         if async_scheduling is not None:
             kw["async_scheduling"] = async_scheduling
     elif name.startswith("ddtree-"):
-        spec = {"method": "ddtree", "model": str(args.draft), "ddtree_budget": int(name[7:]),
-                **args.ddtree_options}  # fmt: skip
+        spec = {
+            "method": "ddtree",
+            "model": str(args.draft),
+            "ddtree_budget": int(name[7:]),
+            **args.ddtree_options,
+        }
     else:
         raise ValueError(f"unknown engine {name!r}: one of {METHODS[:-1]} or ddtree-<budget>")
     kw["speculative_config"] = spec
@@ -250,16 +277,21 @@ def measure(
     max_tokens: int,
     progress: ProgressFile | None = None,
 ) -> dict:
-    """Run the requests ``schedule`` (prompt indices) at ``concurrency``; one row."""  # fmt: skip
+    """Run the requests ``schedule`` (prompt indices) at ``concurrency``; one row."""
     import vllm
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     # seed=None: per-request seeds make vLLM sample row by row (and skip FlashInfer's sampler),
     # which would slow the measured step; at T=1 tau therefore varies a little between runs.
-    params = vllm.SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                                 seed=None, detokenize=False,
-                                 output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    params = vllm.SamplingParams(
+        temperature=temperature,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=None,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     engine = llm.llm_engine
 
     def add(prompt: list[int]) -> None:
@@ -277,10 +309,16 @@ def measure(
     seconds = time.perf_counter() - start
     after = _spec_counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    row = {"concurrency": concurrency, "temperature": temperature, "tokens": tokens,
-           "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
-           "requests": len(schedule), "prompts": len(set(schedule)),
-           "max_tokens": max_tokens}  # fmt: skip
+    row = {
+        "concurrency": concurrency,
+        "temperature": temperature,
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "requests": len(schedule),
+        "prompts": len(set(schedule)),
+        "max_tokens": max_tokens,
+    }
     steps = _delta(after, before, "engine_steps")
     if steps:  # exact, whatever the number of requests running in each step
         row["engine_steps"] = steps
@@ -336,8 +374,9 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
             schedule = request_schedule(len(prompts), concurrency)[:concurrency]
             measure(llm, prompts, schedule, concurrency, temperature, 8)
     (out / f"{name}.ready").touch()
-    while not all((out / f"{n}.ready").exists() or (out / f"{n}.failed").exists()
-                  for n in args.engines):  # fmt: skip
+    while not all(
+        (out / f"{n}.ready").exists() or (out / f"{n}.failed").exists() for n in args.engines
+    ):
         time.sleep(1)
     rows, reports = [], []
     with open(out / ".device.lock", "w") as lock:
@@ -349,8 +388,9 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
                 progress = ProgressFile(out / f"{name}.progress", label, len(schedule))
                 sys.stdout.flush()
                 log_start = log.stat().st_size if log else 0
-                row = measure(llm, prompts, schedule, concurrency, temperature, args.max_tokens,
-                              progress)  # fmt: skip
+                row = measure(
+                    llm, prompts, schedule, concurrency, temperature, args.max_tokens, progress
+                )
                 if log is not None:
                     # DDTREE_PROFILE's reports logged during this measurement (the first may
                     # include up to N-1 steps of the one before: the profile's own window).
@@ -446,17 +486,26 @@ def drive(args) -> list[dict]:
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    stale = [out / f"{name}{suffix}" for name in args.engines
-             for suffix in (".ready", ".failed", ".progress", ".json")]  # fmt: skip
+    stale = [
+        out / f"{name}{suffix}"
+        for name in args.engines
+        for suffix in (".ready", ".failed", ".progress", ".json")
+    ]
     for path in stale:  # an old run's files would pass for this run's
         path.unlink(missing_ok=True)
     prompts, source = bench_prompts(args)
-    prompt_set = {"source": source, "count": len(prompts), "input_len": args.input_len,
-                  "sha256": prompt_set_digest(prompts), "prompts": prompts}  # fmt: skip
+    prompt_set = {
+        "source": source,
+        "count": len(prompts),
+        "input_len": args.input_len,
+        "sha256": prompt_set_digest(prompts),
+        "prompts": prompts,
+    }
     (out / "prompts.json").write_text(json.dumps(prompt_set) + "\n")
-    tqdm.write(f"{len(prompts)} prompts ({source}); requests per engine: "
-               + ", ".join(f"c={c}: {len(request_schedule(len(prompts), c))}"
-                           for c in args.concurrency))  # fmt: skip
+    tqdm.write(
+        f"{len(prompts)} prompts ({source}); requests per engine: "
+        + ", ".join(f"c={c}: {len(request_schedule(len(prompts), c))}" for c in args.concurrency)
+    )
     procs, base_env = {}, plugin_env()
     for name in args.engines:
         log = (out / f"{name}.log").open("w")
@@ -489,15 +538,15 @@ def drive(args) -> list[dict]:
             engines[name] = json.loads(path.read_text())
             rows += engines[name]["rows"]
     rows = add_ratios(rows)
-    summary = {"command": " ".join(["ddtree", "bench", *args.argv]),
-               "exit_codes": {n: p.returncode for n, p in procs.items()},
-               "prompts": {k: v for k, v in prompt_set.items() if k != "prompts"},
-               "requests": {str(c): len(request_schedule(len(prompts), c))
-                            for c in args.concurrency},
-               "ddtree_profile": args.ddtree_profile,
-               "engines": {n: {k: v for k, v in e.items() if k != "rows"}
-                           for n, e in engines.items()},
-               "rows": rows}  # fmt: skip
+    summary = {
+        "command": " ".join(["ddtree", "bench", *args.argv]),
+        "exit_codes": {n: p.returncode for n, p in procs.items()},
+        "prompts": {k: v for k, v in prompt_set.items() if k != "prompts"},
+        "requests": {str(c): len(request_schedule(len(prompts), c)) for c in args.concurrency},
+        "ddtree_profile": args.ddtree_profile,
+        "engines": {n: {k: v for k, v in e.items() if k != "rows"} for n, e in engines.items()},
+        "rows": rows,
+    }
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     if rows:
         table = summary_markdown(rows, args.engines)
@@ -510,18 +559,30 @@ def drive(args) -> list[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, default=None, help="default: models/target")
     parser.add_argument("--draft", type=Path, default=None, help="default: models/drafter")
-    parser.add_argument("--dummy-shapes", choices=["qwen3-8b"], default=None,
-                        help="random weights of these shapes (target + drafter)")  # fmt: skip
-    parser.add_argument("--methods", default="ar,dflash,ddtree",
-                        help=f"comma-separated: {', '.join(METHODS)}")  # fmt: skip
+    parser.add_argument(
+        "--dummy-shapes",
+        choices=["qwen3-8b"],
+        default=None,
+        help="random weights of these shapes (target + drafter)",
+    )
+    parser.add_argument(
+        "--methods", default="ar,dflash,ddtree", help=f"comma-separated: {', '.join(METHODS)}"
+    )
     parser.add_argument("--budgets", default="16,32,64,128,255,511,1023")
-    parser.add_argument("--concurrency", default="1,4,16,32",
-                        help="requests in flight; each level runs whole passes over the prompts, "
-                        "at least max(prompts, 2c) requests")  # fmt: skip
+    parser.add_argument(
+        "--concurrency",
+        default="1,4,16,32",
+        help="requests in flight; each level runs whole passes over the prompts, "
+        "at least max(prompts, 2c) requests",
+    )
     parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--prompts", type=int, default=16,
-                        help="distinct prompts: held-out stdlib def lines (as `ddtree tau`), "
-                        "random ids with --dummy-shapes")  # fmt: skip
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=16,
+        help="distinct prompts: held-out stdlib def lines (as `ddtree tau`), "
+        "random ids with --dummy-shapes",
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -533,9 +594,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default={},
         help="more ddtree keys as JSON, e.g. '{\"ddtree_max_verify_cost\": null}'",
     )
-    parser.add_argument("--ddtree-profile", type=int, default=None, metavar="N",
-                        help="DDTREE_PROFILE=N for the DDTree engines only: their step "
-                        "split (mean ms per stage) in the rows and the summary")  # fmt: skip
+    parser.add_argument(
+        "--ddtree-profile",
+        type=int,
+        default=None,
+        metavar="N",
+        help="DDTREE_PROFILE=N for the DDTree engines only: their step "
+        "split (mean ms per stage) in the rows and the summary",
+    )
     parser.add_argument("--title", default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # one worker
@@ -567,8 +633,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
             raise SystemExit(
                 f"ddtree bench: unknown method {method!r} in --methods (one of {METHODS})"
             )
-    for flag, value in (("--prompts", args.prompts), ("--max-tokens", args.max_tokens),
-                        ("--input-len", args.input_len)):  # fmt: skip
+    for flag, value in (
+        ("--prompts", args.prompts),
+        ("--max-tokens", args.max_tokens),
+        ("--input-len", args.input_len),
+    ):
         if value < 1:
             raise SystemExit(f"ddtree bench: {flag} must be >= 1, got {value}")
     if args.ddtree_profile is not None:

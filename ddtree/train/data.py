@@ -11,9 +11,17 @@ from pathlib import Path
 import torch
 
 HELD_OUT_MODULES = (
-    "argparse", "bisect", "csv", "difflib", "fractions", "heapq", "json", "shlex",
-    "statistics", "textwrap",
-)  # fmt: skip
+    "argparse",
+    "bisect",
+    "csv",
+    "difflib",
+    "fractions",
+    "heapq",
+    "json",
+    "shlex",
+    "statistics",
+    "textwrap",
+)
 EXCLUDED_DIRS = ("test", "site-packages", "idlelib", "lib2to3", "__pycache__")
 
 

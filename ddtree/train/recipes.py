@@ -83,9 +83,14 @@ def train_target(stream, tokenizer, out: Path, recipe: TargetRecipe, device) -> 
 
     t0 = time.time()
     history = train_loop(
-        model, loss_fn, steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup,
-        checkpoint=out.parent / f".{out.name}.ckpt", desc="target",
-    )  # fmt: skip
+        model,
+        loss_fn,
+        steps=recipe.steps,
+        lr=recipe.lr,
+        warmup=recipe.warmup,
+        checkpoint=out.parent / f".{out.name}.ckpt",
+        desc="target",
+    )
     model.eval().to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -128,10 +133,15 @@ def distill_stream(
         greedy = (step + 1) * greedy_fraction // 1 > step * greedy_fraction // 1
         with autocast(device):
             out = target.generate(
-                prompts, max_new_tokens=length - prompt_len, min_new_tokens=length - prompt_len,
-                do_sample=not greedy, temperature=None if greedy else 0.8, top_k=None, top_p=None,
+                prompts,
+                max_new_tokens=length - prompt_len,
+                min_new_tokens=length - prompt_len,
+                do_sample=not greedy,
+                temperature=None if greedy else 0.8,
+                top_k=None,
+                top_p=None,
                 pad_token_id=eos_id,
-            )  # fmt: skip
+            )
         eos = torch.full((out.shape[0], 1), eos_id, device=out.device)
         pieces.append(torch.cat([out, eos], 1).flatten().cpu())
         total += out.numel()
@@ -214,9 +224,15 @@ def train_drafter(stream, target, out: Path, recipe: DrafterRecipe, mask_token_i
 
     t0 = time.time()
     history = train_loop(
-        drafter, loss_fn, steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup,
-        checkpoint=out.parent / f".{out.name}.ckpt", desc="drafter", time_limit=recipe.time_limit,
-    )  # fmt: skip
+        drafter,
+        loss_fn,
+        steps=recipe.steps,
+        lr=recipe.lr,
+        warmup=recipe.warmup,
+        checkpoint=out.parent / f".{out.name}.ckpt",
+        desc="drafter",
+        time_limit=recipe.time_limit,
+    )
     drafter.eval().to(torch.bfloat16)
     drafter.config.dtype = "bfloat16"
     save_drafter(drafter, out)

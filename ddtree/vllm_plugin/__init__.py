@@ -29,6 +29,7 @@ def plugin_env() -> dict:
         "[vllm.general_plugins]\nddtree = ddtree.vllm_plugin.patches:register\n"
     )
     root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(root),
-                                                    env.get("PYTHONPATH")) if p)  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(site), str(root), env.get("PYTHONPATH")) if p
+    )
     return env

@@ -62,10 +62,13 @@ def choose_step_budgets(
     for b in buckets:
         limit = max_cost_ratio * cost(b * (1 + chain))
         table[b] = next(
-            (s for s in candidate_budgets(budget, depth)
-             if s == chain or (b * (1 + s) <= max_tokens and cost(b * (1 + s)) <= limit)),
+            (
+                s
+                for s in candidate_budgets(budget, depth)
+                if s == chain or (b * (1 + s) <= max_tokens and cost(b * (1 + s)) <= limit)
+            ),
             chain,
-        )  # fmt: skip
+        )
     return table
 
 
@@ -82,9 +85,12 @@ def forward_seconds(runner, num_tokens: int, repeats: int = 5) -> float:
     queries = num_tokens // num_reqs + num_tokens % num_reqs  # the largest request's (vLLM's split)
     seq_len = max(queries, min(runner.max_model_len, queries + CONTEXT_TOKENS))
     run = functools.partial(
-        runner._dummy_run, num_tokens, force_attention=True, skip_eplb=True,
+        runner._dummy_run,
+        num_tokens,
+        force_attention=True,
+        skip_eplb=True,
         profile_seq_lens=seq_len,
-    )  # fmt: skip
+    )
     if drafter is not None:
         drafter.dummy_run = lambda *args, **kwargs: None  # instance attribute hides the method
     try:
@@ -111,10 +117,14 @@ def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> 
     max_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
     buckets = graphs.buckets(scheduler.max_num_seqs)
     chain = min(budget, depth)
-    counts = sorted({
-        min(b * (1 + s), max_tokens) for b in buckets for s in candidate_budgets(budget, depth)
-        if s == chain or b * (1 + s) <= max_tokens
-    })  # fmt: skip
+    counts = sorted(
+        {
+            min(b * (1 + s), max_tokens)
+            for b in buckets
+            for s in candidate_budgets(budget, depth)
+            if s == chain or b * (1 + s) <= max_tokens
+        }
+    )
     start = time.perf_counter()
     measured = [forward_seconds(runner, n) for n in counts]
     cost = dict(zip(counts, itertools.accumulate(measured, max), strict=True))
@@ -124,9 +134,11 @@ def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> 
     logger.info(
         "ddtree step budgets (max verify cost %.2fx the chain's; measured in %.1f s): %s; "
         "forward ms by tokens (measured / used): %s",
-        max_cost_ratio, time.perf_counter() - start,
+        max_cost_ratio,
+        time.perf_counter() - start,
         ", ".join(f"{b} req -> B {s}" for b, s in table.items()),
-        ", ".join(f"{n}: {1e3 * t:.2f}/{1e3 * cost[n]:.2f}"
-                  for n, t in zip(counts, measured, strict=True)),
-    )  # fmt: skip
+        ", ".join(
+            f"{n}: {1e3 * t:.2f}/{1e3 * cost[n]:.2f}" for n, t in zip(counts, measured, strict=True)
+        ),
+    )
     return table

@@ -194,8 +194,9 @@ def _check_v1_settings(vllm_config) -> None:
         return
     mode = vllm_config.compilation_config.cudagraph_mode
     if vllm_config.scheduler_config.async_scheduling or mode not in (
-        CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE
-    ):  # fmt: skip
+        CUDAGraphMode.NONE,
+        CUDAGraphMode.PIECEWISE,
+    ):
         raise ValueError(
             "ddtree: vLLM chose its V1 model runner for this engine; there ddtree needs "
             "--no-async-scheduling and compilation_config.cudagraph_mode PIECEWISE (got "
@@ -320,14 +321,27 @@ def _patch_attention() -> None:
     for impl_cls in classes:
 
         @wrap(impl_cls, "forward")
-        def forward(original, self, layer, query, key, value, kv_cache, attn_metadata, output,
-                    *args, **kwargs):  # fmt: skip
+        def forward(
+            original,
+            self,
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            *args,
+            **kwargs,
+        ):
             def backend():
-                return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                                *args, **kwargs)  # fmt: skip
+                return original(
+                    self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+                )
 
             binding = getattr(self, "ddtree_binding", None)
             if binding is None:
                 return backend()
-            return binding.engine.attend(self, backend, query, key, value, kv_cache,
-                                         attn_metadata, output, binding.group)  # fmt: skip
+            return binding.engine.attend(
+                self, backend, query, key, value, kv_cache, attn_metadata, output, binding.group
+            )

@@ -41,21 +41,40 @@ def tree_attention(engine, impl, query, key, value, kv_cache, output, group: int
             from ddtree.vllm_plugin.attention import triton_kernel
 
             triton_kernel.tree_attention(
-                query, key, value, kv_cache, output.view(query.shape), tb.rows, tb.counts,
-                tb.tree.mask, tb.context_i32, tb.block_tables[group], impl.scale,
-            )  # fmt: skip
+                query,
+                key,
+                value,
+                kv_cache,
+                output.view(query.shape),
+                tb.rows,
+                tb.counts,
+                tb.tree.mask,
+                tb.context_i32,
+                tb.block_tables[group],
+                impl.scale,
+            )
             return
         query_flat = query.index_select(0, tb.flat_rows)  # [N, H, hd]
         if _is_cpu(impl):
             out_p, lse_p = cpu.prefix_attention(
-                query_flat, kv_cache, tb.block_tables[group], tb.context_cpu, tb.counts_cpu,
+                query_flat,
+                kv_cache,
+                tb.block_tables[group],
+                tb.context_cpu,
+                tb.counts_cpu,
                 impl.scale,
-            )  # fmt: skip
+            )
         else:
             out_p, lse_p = flash.prefix_attention(
-                impl, query_flat, kv_cache, tb.block_tables[group], tb.cu_queries,
-                tb.context_i32, tb.rows.shape[1], tb.max_context,
-            )  # fmt: skip
+                impl,
+                query_flat,
+                kv_cache,
+                tb.block_tables[group],
+                tb.cu_queries,
+                tb.context_i32,
+                tb.rows.shape[1],
+                tb.max_context,
+            )
         out_s, lse_s = suffix_attention(query, key, value, tb.rows, tb.tree.mask, impl.scale)
         out_s, lse_s = out_s.index_select(0, tb.flat_slots), lse_s.index_select(0, tb.flat_slots)
         merged = merge(out_p, lse_p, out_s, lse_s).view((-1,) + output.shape[1:])

@@ -51,7 +51,9 @@ def layer_commit(engine: EngineState, runner) -> graphs.GraphCache:
 
     # Warm-up before capture: dst onto itself (moving twice would not be harmless).
     engine.commit = graphs.GraphCache(
-        commit, warmup=lambda *m: [m[i | 1] for i in range(len(m))], pool=engine.graph_pool,
+        commit,
+        warmup=lambda *m: [m[i | 1] for i in range(len(m))],
+        pool=engine.graph_pool,
         enabled=engine.settings.cuda_graphs,
-    )  # fmt: skip
+    )
     return engine.commit

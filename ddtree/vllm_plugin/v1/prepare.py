@@ -58,8 +58,11 @@ def prepare_step(engine: EngineState, runner, scheduler_output) -> None:
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     spec = scheduler_output.scheduled_spec_decode_tokens
-    members = [(i, req_id, len(spec[req_id])) for i, req_id in enumerate(batch.req_ids[:num_reqs])
-               if spec.get(req_id)]  # fmt: skip
+    members = [
+        (i, req_id, len(spec[req_id]))
+        for i, req_id in enumerate(batch.req_ids[:num_reqs])
+        if spec.get(req_id)
+    ]
     engine.attention_active = bool(members)
     if not members:
         engine.mark("forward")
@@ -94,8 +97,10 @@ def prepare_step(engine: EngineState, runner, scheduler_output) -> None:
     flat_rows = rows_d.flatten().index_select(0, flat_d)
     depth_positions = (context_d[:, None] + tree.depths).flatten().index_select(0, flat_d)
     runner.positions.index_copy_(0, flat_rows, depth_positions.to(runner.positions.dtype))
-    tables = [bt.get_device_tensor(num_reqs).index_select(0, index_d)
-              for bt in batch.block_table.block_tables]  # fmt: skip
+    tables = [
+        bt.get_device_tensor(num_reqs).index_select(0, index_d)
+        for bt in batch.block_table.block_tables
+    ]
     engine.batch = TreeBatch(
         batch_index=index_d,
         tree=tree,

@@ -66,16 +66,33 @@ def make_proposer_class(base, check_settings):
             self._draft_logits = logits
             return logits.argmax(-1), None
 
-        def propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                    target_hidden_states, next_token_ids, token_indices_to_sample,
-                    common_attn_metadata, sampling_metadata, *args, **kwargs):  # fmt: skip
+        def propose(
+            self,
+            num_speculative_tokens,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            token_indices_to_sample,
+            common_attn_metadata,
+            sampling_metadata,
+            *args,
+            **kwargs,
+        ):
             self.engine.mark("draft")
             reorder_context(self.engine, target_token_ids, target_positions, target_hidden_states)
             super().propose(
-                self.draft_depth, target_token_ids, target_positions, target_hidden_states,
-                next_token_ids, token_indices_to_sample, common_attn_metadata,
-                sampling_metadata, *args, **kwargs,
-            )  # fmt: skip
+                self.draft_depth,
+                target_token_ids,
+                target_positions,
+                target_hidden_states,
+                next_token_ids,
+                token_indices_to_sample,
+                common_attn_metadata,
+                sampling_metadata,
+                *args,
+                **kwargs,
+            )
             self.engine.mark("build")
             trees = self._propose_trees(next_token_ids.shape[0])
             self.engine.mark("rest")
@@ -94,9 +111,11 @@ def make_proposer_class(base, check_settings):
             logprobs, token_ids = draft_topk(logits, min(budget, logits.shape[-1]))
             pad = (0, 0, 0, 0, 0, padded - num_reqs)
             trees, draft_tokens = engine.proposal_graphs(
-                torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(token_ids, pad),
-                budget=budget, chain_seed=engine.options.chain_seed,
-            )  # fmt: skip
+                torch.nn.functional.pad(logprobs, pad),
+                torch.nn.functional.pad(token_ids, pad),
+                budget=budget,
+                chain_seed=engine.options.chain_seed,
+            )
             engine.proposal = trees  # graph outputs: read before the next replay
             req_ids = self.runner.input_batch.req_ids[:num_reqs]
             engine.proposed = {req_id: i for i, req_id in enumerate(req_ids)}
@@ -155,8 +174,9 @@ def capture_step_graphs(engine: EngineState, runner) -> None:
         engine.proposal_graphs(
             torch.zeros(reqs, depth, k, device=device),
             torch.zeros(reqs, depth, k, dtype=torch.long, device=device),
-            budget=budget, chain_seed=options.chain_seed,
-        )  # fmt: skip
+            budget=budget,
+            chain_seed=options.chain_seed,
+        )
         # Moves of slot 0 (vLLM's null block) onto itself: harmless.
         moves = torch.zeros(reqs * min(depth, budget), dtype=torch.long, device=device)
         commit(*[moves] * (2 * num_groups))

@@ -77,8 +77,10 @@ def _check_plain_attention(name: str, impl) -> None:
     }
     for feature, used in features.items():
         if used:
-            raise NotImplementedError(f"ddtree: target layer {name} uses {feature}, which the "
-                                      "tree attention does not implement yet")  # fmt: skip
+            raise NotImplementedError(
+                f"ddtree: target layer {name} uses {feature}, which the "
+                "tree attention does not implement yet"
+            )
 
 
 @dataclass
@@ -135,10 +137,18 @@ class TreeEngine:
             original()  # mixed step: prefill rows need the backend's causal pass
         num_reqs = attn_metadata.query_start_loc.shape[0] - 1
         paged_tree_attention(
-            query, kv_cache, output.view(query.shape), attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table, self.tables.tree_rows[:num_reqs],
-            self.tables.depths, self.tables.ancestors, impl.scale, attn_metadata.max_query_len,
-        )  # fmt: skip
+            query,
+            kv_cache,
+            output.view(query.shape),
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            self.tables.tree_rows[:num_reqs],
+            self.tables.depths,
+            self.tables.ancestors,
+            impl.scale,
+            attn_metadata.max_query_len,
+        )
         return output
 
     def commit_kv(self, query_start_loc: torch.Tensor, num_reqs: int) -> None:
@@ -169,7 +179,9 @@ class TreeEngine:
                     attention.copy_slots(impl, kv_cache, moves[2 * group], moves[2 * group + 1])
 
             self.commit = graphs.GraphCache(
-                commit, warmup=lambda *m: [m[i | 1] for i in range(len(m))],
-                pool=self.graph_pool, enabled=self.settings.cuda_graphs,
-            )  # fmt: skip
+                commit,
+                warmup=lambda *m: [m[i | 1] for i in range(len(m))],
+                pool=self.graph_pool,
+                enabled=self.settings.cuda_graphs,
+            )
         return self.commit

@@ -66,7 +66,11 @@ def prepare_step(engine: TreeEngine, input_batch) -> None:
         return
     tables = engine.tables
     kernels.mark_trees_and_depth_positions(
-        tables.tree_rows[: input_batch.num_reqs_after_padding], input_batch.positions,
-        input_batch.query_start_loc, input_batch.cu_num_logits, input_batch.idx_mapping,
-        tables.depths, input_batch.num_reqs,
-    )  # fmt: skip
+        tables.tree_rows[: input_batch.num_reqs_after_padding],
+        input_batch.positions,
+        input_batch.query_start_loc,
+        input_batch.cu_num_logits,
+        input_batch.idx_mapping,
+        tables.depths,
+        input_batch.num_reqs,
+    )

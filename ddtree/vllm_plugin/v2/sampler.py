@@ -29,10 +29,13 @@ class TreeSampler:
         engine = self.engine
         rows = input_batch.logits_indices
         target, _ = self.sampler.sample(
-            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping_np,
-            input_batch.positions[rows], input_batch.input_ids[rows],
+            logits,
+            input_batch.expanded_idx_mapping,
+            input_batch.idx_mapping_np,
+            input_batch.positions[rows],
+            input_batch.input_ids[rows],
             input_batch.expanded_local_pos,
-        )  # fmt: skip
+        )
         num_reqs = input_batch.num_reqs
         cu_logits = input_batch.cu_num_logits
         first = cu_logits[:num_reqs].long()[:, None]  # [R, 1]
@@ -55,5 +58,10 @@ class TreeSampler:
         engine.tables.path[:num_reqs].copy_(acceptance.path)
         engine.walked = True
         engine.commit_kv(input_batch.query_start_loc, num_reqs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
-                             num_sampled=num_sampled, num_rejected=num_rejected)  # fmt: skip
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs_tensors=None,
+            num_nans=None,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )

@@ -40,44 +40,76 @@ def make_speculator_class(base):
             self.engine = TreeEngine(options, depth, config.SETTINGS, tables)
             slots = 1 + options.budget
             # The last proposal's trees in batch order (written inside the drafter's graph).
-            self.batch_tokens = torch.full((self.max_num_reqs, slots), -1, dtype=torch.long,
-                                           device=device)  # fmt: skip
+            self.batch_tokens = torch.full(
+                (self.max_num_reqs, slots), -1, dtype=torch.long, device=device
+            )
             self.batch_parents = torch.full_like(self.batch_tokens, -1)
             self.batch_depths = torch.zeros_like(self.batch_tokens)
-            self.batch_ancestors = torch.zeros(self.max_num_reqs, slots, depth + 1,
-                                               dtype=torch.long, device=device)  # fmt: skip
+            self.batch_ancestors = torch.zeros(
+                self.max_num_reqs, slots, depth + 1, dtype=torch.long, device=device
+            )
 
-        def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
-                            num_tokens_across_dp, cudagraph_runtime_mode=None):  # fmt: skip
+        def _generate_draft(
+            self,
+            num_reqs,
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode=None,
+        ):
             from vllm.config.compilation import CUDAGraphMode
 
             hidden = self._run_model(
-                num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
+                num_tokens_padded,
+                attn_metadata,
+                slot_mappings,
+                num_tokens_across_dp,
                 cudagraph_runtime_mode or CUDAGraphMode.NONE,
-            )  # fmt: skip
+            )
             depth = self.num_speculative_steps
             rows = self.sample_indices[: num_reqs * depth]
             logits = self.model.compute_logits(hidden[rows]).view(num_reqs, depth, -1)
             budget = self.engine.options.budget
             logprobs, token_ids = draft_topk(logits, min(budget, logits.shape[-1]))
-            trees = tree_from_ranked(logprobs, token_ids, budget,
-                                     chain_seed=self.engine.options.chain_seed)  # fmt: skip
+            trees = tree_from_ranked(
+                logprobs, token_ids, budget, chain_seed=self.engine.options.chain_seed
+            )
             self.batch_tokens[:num_reqs].copy_(trees.tokens)
             self.batch_parents[:num_reqs].copy_(trees.parents)
             self.batch_depths[:num_reqs].copy_(trees.depths)
             self.batch_ancestors[:num_reqs].copy_(trees.ancestors)
 
         @torch.inference_mode()
-        def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                    aux_hidden_states, num_sampled, num_rejected, *args, dummy_run=False,
-                    **kwargs):  # fmt: skip
+        def propose(
+            self,
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            *args,
+            dummy_run=False,
+            **kwargs,
+        ):
             engine = self.engine
             if engine.walked and not dummy_run:
                 self._accepted_path_first(input_batch, aux_hidden_states or [last_hidden_states])
             engine.walked = False
-            super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                            aux_hidden_states, num_sampled, num_rejected, *args,
-                            dummy_run=dummy_run, **kwargs)  # fmt: skip
+            super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                *args,
+                dummy_run=dummy_run,
+                **kwargs,
+            )
             num_reqs = input_batch.num_reqs
             if not dummy_run:
                 engine.tables.store(
