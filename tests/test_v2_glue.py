@@ -1,7 +1,8 @@
 """The V2-runner glue on the CPU, with Triton's interpreter (the V2 runner itself needs CUDA):
 which rows verify a tree and their depth positions; the tree sampler's walk, output layout,
-counts and KV commit; the accepted path moved to the front for the drafter. A batch of a full
-tree, a prefill request, a tree clipped by the scheduler, and a padded row."""
+counts and KV commit (torch ops and ``ddtree.kernels``); the accepted path moved to the front
+for the drafter; the speculator's tree build. A batch of a full tree, a prefill request, a tree
+clipped by the scheduler, and a padded row."""
 
 import os
 import subprocess
@@ -25,16 +26,31 @@ def test_v2_glue():
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
 
 
-def _engine(trees, state_rows):
+def _engine(trees, state_rows, kernels: str):
     from ddtree.vllm_plugin.config import DDTreeOptions, Settings
     from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
 
     tables = TreeTables(8, BUDGET, DEPTH, torch.device("cpu"))
     tables.store(state_rows, trees.tokens, trees.parents, trees.depths, trees.ancestors)
-    return TreeEngine(DDTreeOptions(BUDGET), DEPTH, Settings(cuda_graphs=False), tables)
+    settings = Settings(cuda_graphs=False, tree_kernels=kernels)
+    return TreeEngine(DDTreeOptions(BUDGET), DEPTH, settings, tables)
 
 
-def check() -> None:
+def check_trees() -> None:
+    """The speculator's tree build: ddtree.kernels equals the torch ops."""
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    cls = make_speculator_class(object)
+    logits = torch.randn(3, DEPTH, 50, generator=torch.Generator().manual_seed(4)) * 3
+    built = {}
+    for kernels in ("torch", "fused"):
+        engine = _engine(ddtree.build_tree(logits, BUDGET), torch.tensor([0, 1, 2]), kernels)
+        built[kernels] = cls._build_trees(SimpleNamespace(engine=engine, _fused_buffers={}), logits)
+    for name in ("tokens", "parents", "depths", "ancestors"):
+        assert torch.equal(getattr(built["torch"], name), getattr(built["fused"], name)), name
+
+
+def check(kernels: str) -> None:
     from ddtree.vllm_plugin.v2 import kernels
     from ddtree.vllm_plugin.v2.sampler import TreeSampler
     from ddtree.vllm_plugin.v2.speculator import make_speculator_class
@@ -42,7 +58,7 @@ def check() -> None:
     gen = torch.Generator().manual_seed(0)
     trees = ddtree.build_tree(torch.randn(2, DEPTH, VOCAB, generator=gen) * 2, BUDGET)
     state_rows = torch.tensor([5, 2])  # request-state rows of the two tree requests
-    engine = _engine(trees, state_rows)
+    engine = _engine(trees, state_rows, kernels)
     q = BUDGET + 1
     # Batch: tree (state 5, all slots), prefill (state 0, 6 tokens), tree clipped to 7 slots
     # (state 2), and one padded row (full-graph padding).
@@ -136,4 +152,6 @@ def check() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
-    check()
+    check("torch")
+    check("fused")  # ddtree.kernels' walk and KV compaction in the sampler
+    check_trees()

@@ -20,6 +20,7 @@ MAX_BUDGET = 1024
 # the forward grows with the tokens, so trees shrink as the batch grows.
 DEFAULT_MAX_VERIFY_TOKENS = 512
 TREE_ATTENTION_CHOICES = ("auto", "merge", "triton")
+TREE_KERNELS_CHOICES = ("torch", "fused")
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,10 @@ class Settings:
     - ``DDTREE_CUDA_GRAPHS=0``: DDTree's own graphs (tree stage, KV commit) off;
     - ``DDTREE_SYNC_DEBUG=warn|error``: torch's CUDA sync checker around DDTree's step code;
     - ``DDTREE_PROFILE=N``: the step's time split logged every N steps;
-      ``DDTREE_PROFILE_OPS=1``: plus a torch.profiler op table.
+      ``DDTREE_PROFILE_OPS=1``: plus a torch.profiler op table;
+    - ``DDTREE_TREE_KERNELS=torch|fused``: the V2 runner's tree build, walk and KV compaction
+      in torch ops or in ``ddtree.kernels`` (GPU-tested against torch; in the engine, opt-in
+      until the H200 equality suite has run with it).
     """
 
     tree_attention: str = "auto"
@@ -38,6 +42,7 @@ class Settings:
     sync_debug: str | None = None
     profile_every: int = 0
     profile_ops: bool = False
+    tree_kernels: str = "torch"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,12 +58,18 @@ class Settings:
         profile = os.environ.get("DDTREE_PROFILE", "0") or "0"
         if not profile.isdigit():
             raise ValueError(f"DDTREE_PROFILE must be a number of steps, got {profile!r}")
+        tree_kernels = os.environ.get("DDTREE_TREE_KERNELS", "torch")
+        if tree_kernels not in TREE_KERNELS_CHOICES:
+            raise ValueError(
+                f"DDTREE_TREE_KERNELS must be one of {TREE_KERNELS_CHOICES}, got {tree_kernels!r}"
+            )
         return cls(
             tree_attention=tree_attention,
             cuda_graphs=os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0",
             sync_debug=sync_debug,
             profile_every=int(profile),
             profile_ops=os.environ.get("DDTREE_PROFILE_OPS") == "1",
+            tree_kernels=tree_kernels,
         )
 
 
@@ -193,6 +204,10 @@ def check_platform(settings: Settings) -> None:
         if settings.tree_attention == "triton":
             raise NotImplementedError(
                 "DDTREE_TREE_ATTENTION=triton needs a CUDA GPU; on the CPU use merge or auto"
+            )
+        if settings.tree_kernels == "fused":
+            raise NotImplementedError(
+                "DDTREE_TREE_KERNELS=fused runs on CUDA's V2 model runner; on the CPU use torch"
             )
     elif not current_platform.is_cuda():
         # The tree mask is wired into vLLM's CPU and FlashAttention paths only; elsewhere the

@@ -101,6 +101,7 @@ class TreeEngine:
     capturing: bool = False  # the runner is capturing its graphs (decode graphs: all tree)
     walked: bool = False  # the sampler walked trees this step (the drafter reorders)
     uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
+    _fused_layers: dict | None = None
 
     def bind(self, runner, draft_layers: set[str]) -> None:
         """Once, after the KV cache exists: the target's attention layers get this engine."""
@@ -151,6 +152,19 @@ class TreeEngine:
         )
         return output
 
+    def fused_layers(self) -> dict:
+        """KV group -> its target layers for ``ddtree.kernels.compact_kv`` (made once, at the
+        first commit: it copies a small offset table to the device)."""
+        if self._fused_layers is None:
+            from ddtree.kernels import KVLayers
+
+            groups = sorted({group for group, _, _ in self.layers})
+            self._fused_layers = {
+                group: KVLayers([cache for g, cache, _ in self.layers if g == group])
+                for group in groups
+            }
+        return self._fused_layers
+
     def commit_kv(self, query_start_loc: torch.Tensor, num_reqs: int) -> None:
         """Every accepted path's K/V to the slots right after its context, all layers: slot
         of row ``start + path[k]`` -> slot of row ``start + k`` (k = 1..accepted). Other moves
@@ -163,6 +177,15 @@ class TreeEngine:
         live = (path >= 0) & (self.tables.tree_rows[:num_reqs, None] >= 0)
         src_rows = torch.where(live, start + path.clamp(min=0), 0).flatten()
         dst_rows = torch.where(live, start + step, 0).flatten()
+        if self.settings.tree_kernels == "fused":  # one launch per KV group, all layers
+            from ddtree.kernels import compact_kv
+
+            for group, layers in self.fused_layers().items():
+                slots = self.slot_mappings[group]
+                src = torch.where(live.flatten(), slots[src_rows], 0).view(live.shape)
+                dst = torch.where(live.flatten(), slots[dst_rows], 0).view(live.shape)
+                compact_kv(layers, src, dst)
+            return
         moves = []
         for slots in self.slot_mappings:
             for rows in (src_rows, dst_rows):

@@ -44,7 +44,12 @@ class TreeSampler:
         slot = torch.arange(slots, device=logits.device)
         logit_rows = torch.where(slot < num_logits[:, None], first + slot, first)  # [R, Q]
         trees = engine.tables.batch_trees(num_reqs, num_logits)
-        acceptance = walk(trees, target.long()[logit_rows])
+        if engine.settings.tree_kernels == "fused":
+            from ddtree.kernels import walk_fused
+
+            acceptance = walk_fused(trees, target.long()[logit_rows])
+        else:
+            acceptance = walk(trees, target.long()[logit_rows])
 
         sampled = torch.full((num_reqs, self.width), -1, dtype=torch.long, device=logits.device)
         cols = min(self.width, acceptance.emitted.shape[1])

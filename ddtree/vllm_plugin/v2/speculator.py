@@ -45,6 +45,7 @@ def make_speculator_class(base):
             )
             self.batch_parents = torch.full_like(self.batch_tokens, -1)
             self.batch_depths = torch.zeros_like(self.batch_tokens)
+            self._fused_buffers = {}  # batch size -> ddtree.kernels.TreeBuffers
             self.batch_ancestors = torch.zeros(
                 self.max_num_reqs, slots, depth + 1, dtype=torch.long, device=device
             )
@@ -70,15 +71,31 @@ def make_speculator_class(base):
             depth = self.num_speculative_steps
             rows = self.sample_indices[: num_reqs * depth]
             logits = self.model.compute_logits(hidden[rows]).view(num_reqs, depth, -1)
-            budget = self.engine.options.budget
-            logprobs, token_ids = draft_topk(logits, min(budget, logits.shape[-1]))
-            trees = tree_from_ranked(
-                logprobs, token_ids, budget, chain_seed=self.engine.options.chain_seed
-            )
+            trees = self._build_trees(logits)
             self.batch_tokens[:num_reqs].copy_(trees.tokens)
             self.batch_parents[:num_reqs].copy_(trees.parents)
             self.batch_depths[:num_reqs].copy_(trees.depths)
             self.batch_ancestors[:num_reqs].copy_(trees.ancestors)
+
+        def _build_trees(self, logits: torch.Tensor):
+            """Trees of ``logits [R, D, V]``: torch ops, or ``ddtree.kernels`` (six launches)
+            with outputs preallocated per batch size (before the graph that replays them)."""
+            options = self.engine.options
+            if self.engine.settings.tree_kernels == "fused":
+                from ddtree.kernels import build_tree_fused, tree_buffers
+
+                num_reqs, depth, vocab = logits.shape
+                buffers = self._fused_buffers.get(num_reqs)
+                if buffers is None:
+                    buffers = tree_buffers(num_reqs, depth, vocab, options.budget, logits.device)
+                    self._fused_buffers[num_reqs] = buffers
+                return build_tree_fused(
+                    logits, options.budget, chain_seed=options.chain_seed, buffers=buffers
+                )
+            logprobs, token_ids = draft_topk(logits, min(options.budget, logits.shape[-1]))
+            return tree_from_ranked(
+                logprobs, token_ids, options.budget, chain_seed=options.chain_seed
+            )
 
         @torch.inference_mode()
         def propose(
