@@ -29,14 +29,15 @@ class TreeTables:
 
     def __init__(self, max_reqs: int, budget: int, depth: int, device: torch.device):
         slots = 1 + budget
+        batch_rows = graphs.bucket(max_reqs)  # a step's requests, padded to a bucket
         self.tokens = torch.full((max_reqs, slots), -1, dtype=torch.long, device=device)
         self.parents = torch.full((max_reqs, slots), -1, dtype=torch.long, device=device)
         self.depths = torch.zeros(max_reqs, slots, dtype=torch.int32, device=device)
         slot = torch.arange(slots, dtype=torch.int32, device=device)
         # k-th ancestors; a padding tree (every slot its own ancestor) until a proposal lands
         self.ancestors = slot[None, :, None].repeat(max_reqs, 1, depth + 1).contiguous()
-        self.tree_rows = torch.full((max_reqs,), -1, dtype=torch.int32, device=device)
-        self.path = torch.full((max_reqs, depth + 1), -1, dtype=torch.long, device=device)
+        self.tree_rows = torch.full((batch_rows,), -1, dtype=torch.int32, device=device)
+        self.path = torch.full((batch_rows, depth + 1), -1, dtype=torch.long, device=device)
 
     def store(self, state_rows: torch.Tensor, tokens, parents, depths, ancestors) -> None:
         """Trees in batch order (``[>= R, Q]`` each, ``ancestors [>= R, Q, D + 1]``) into
@@ -47,14 +48,12 @@ class TreeTables:
         self.depths.index_copy_(0, state_rows, depths[:num_reqs].int())
         self.ancestors.index_copy_(0, state_rows, ancestors[:num_reqs].int())
 
-    def batch_trees(self, num_reqs: int, scheduled: torch.Tensor) -> DraftTree:
-        """This step's trees in batch order ``[R, Q]``: a request without a tree gets a padding
-        tree; slots past ``scheduled [R]`` (slots vLLM scheduled) are padding too."""
-        rows = self.tree_rows[:num_reqs].long()
-        has_tree = rows >= 0
-        rows = rows.clamp(min=0)
+    def batch_trees(self, active: torch.Tensor, scheduled: torch.Tensor) -> DraftTree:
+        """This step's trees in batch order ``[R, Q]``: a request not ``active [R]`` gets a
+        padding tree; slots past ``scheduled [R]`` (slots vLLM scheduled) are padding too."""
+        rows = self.tree_rows[: active.shape[0]].long().clamp(min=0)
         slot = torch.arange(self.tokens.shape[1], device=rows.device)
-        live = has_tree[:, None] & (slot < scheduled[:, None])
+        live = active[:, None] & (slot < scheduled[:, None])
         return DraftTree(
             tokens=torch.where(live, self.tokens[rows], -1),
             parents=self.parents[rows],
@@ -92,7 +91,6 @@ class TreeEngine:
     settings: Settings
     tables: TreeTables
     graph_pool: graphs.Pool = field(default_factory=graphs.Pool)
-    commit: graphs.GraphCache | None = None
     layers: list = field(default_factory=list)  # (group, kv_cache, impl) of target layers
     slot_mappings: torch.Tensor | None = None  # [groups, max_tokens]: the step's KV slots
     # Step flags (host), set before the forward.
@@ -165,46 +163,26 @@ class TreeEngine:
             }
         return self._fused_layers
 
-    def commit_kv(self, query_start_loc: torch.Tensor, num_reqs: int) -> None:
-        """Every accepted path's K/V to the slots right after its context, all layers: slot
-        of row ``start + path[k]`` -> slot of row ``start + k`` (k = 1..accepted). Other moves
-        are slot 0 (vLLM's null block) onto itself; requests are padded to a bucket so the
-        graph of the per-layer copies repeats."""
-        padded = graphs.bucket(num_reqs)
-        path = self.tables.path[:num_reqs, 1:]  # [R, D]
-        start = query_start_loc[:num_reqs].long()[:, None]
-        step = torch.arange(1, path.shape[1] + 1, device=path.device)
-        live = (path >= 0) & (self.tables.tree_rows[:num_reqs, None] >= 0)
-        src_rows = torch.where(live, start + path.clamp(min=0), 0).flatten()
-        dst_rows = torch.where(live, start + step, 0).flatten()
-        if self.settings.tree_kernels == "fused":  # one launch per KV group, all layers
-            from ddtree.kernels import compact_kv
+    def commit(self, path: torch.Tensor, active: torch.Tensor, start: torch.Tensor) -> None:
+        """Every accepted path's K/V to the slots right after its context, all target layers:
+        slot of row ``start + path[k]`` -> slot of row ``start + k`` (k = 1..accepted), for
+        ``path [R, D+1]``, ``active [R]`` (requests that verified a tree), ``start [R]`` (their
+        first row). Other moves are slot 0 (vLLM's null block) onto itself. Fixed shapes, no
+        host sync: it runs inside the tree sampler's graph."""
+        moved = path[:, 1:]  # [R, D]
+        step = torch.arange(1, moved.shape[1] + 1, device=path.device)
+        live = (moved >= 0) & active[:, None]
+        src_rows = torch.where(live, start[:, None] + moved.clamp(min=0), 0).flatten()
+        dst_rows = torch.where(live, start[:, None] + step, 0).flatten()
+        for group in sorted({g for g, _, _ in self.layers}):
+            slots = self.slot_mappings[group]
+            src = torch.where(live.flatten(), slots[src_rows], 0)
+            dst = torch.where(live.flatten(), slots[dst_rows], 0)
+            if self.settings.tree_kernels == "fused":  # one launch for the group's layers
+                from ddtree.kernels import compact_kv
 
-            for group, layers in self.fused_layers().items():
-                slots = self.slot_mappings[group]
-                src = torch.where(live.flatten(), slots[src_rows], 0).view(live.shape)
-                dst = torch.where(live.flatten(), slots[dst_rows], 0).view(live.shape)
-                compact_kv(layers, src, dst)
-            return
-        moves = []
-        for slots in self.slot_mappings:
-            for rows in (src_rows, dst_rows):
-                slot = torch.where(live.flatten(), slots[rows], 0)
-                moves.append(torch.nn.functional.pad(slot, (0, (padded - num_reqs) * self.depth)))
-        self._commit()(*moves)
-
-    def _commit(self) -> graphs.GraphCache:
-        if self.commit is None:
-            layers = self.layers
-
-            def commit(*moves: torch.Tensor) -> None:
-                for group, kv_cache, impl in layers:
-                    attention.copy_slots(impl, kv_cache, moves[2 * group], moves[2 * group + 1])
-
-            self.commit = graphs.GraphCache(
-                commit,
-                warmup=lambda *m: [m[i | 1] for i in range(len(m))],
-                pool=self.graph_pool,
-                enabled=self.settings.cuda_graphs,
-            )
-        return self.commit
+                compact_kv(self.fused_layers()[group], src.view(live.shape), dst.view(live.shape))
+                continue
+            for layer_group, kv_cache, impl in self.layers:
+                if layer_group == group:
+                    attention.copy_slots(impl, kv_cache, src, dst)

@@ -3,7 +3,7 @@ their depth positions (after vLLM computed the KV slots from sequential position
 
 from __future__ import annotations
 
-from ddtree.vllm_plugin import config
+from ddtree.vllm_plugin import config, graphs
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
@@ -65,8 +65,10 @@ def prepare_step(engine: TreeEngine, input_batch) -> None:
     if not engine.tree_step:
         return
     tables = engine.tables
+    # Every row the sampler's graph reads (requests padded to a bucket) gets a value.
+    rows = max(graphs.bucket(input_batch.num_reqs), input_batch.num_reqs_after_padding)
     kernels.mark_trees_and_depth_positions(
-        tables.tree_rows[: input_batch.num_reqs_after_padding],
+        tables.tree_rows[:rows],
         input_batch.positions,
         input_batch.query_start_loc,
         input_batch.cu_num_logits,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.verify import walk
+from ddtree.vllm_plugin import graphs
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
 
@@ -22,11 +23,15 @@ class TreeSampler:
         self.engine = engine
         self.sampler = sampler  # vLLM's V2 Sampler: sampling states, processing, Gumbel-max
         self.width = num_speculative_steps + 1  # B + 1 columns of sampled tokens
+        # walk + output + KV commit: one graph per request bucket (fixed shapes, ~80 launches)
+        self.tail = graphs.GraphCache(
+            self._tail, warmup=_harmless, pool=engine.graph_pool,
+            enabled=engine.settings.cuda_graphs,
+        )  # fmt: skip
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-        engine = self.engine
         rows = input_batch.logits_indices
         target, _ = self.sampler.sample(
             logits,
@@ -37,36 +42,55 @@ class TreeSampler:
             input_batch.expanded_local_pos,
         )
         num_reqs = input_batch.num_reqs
+        pad = graphs.bucket(num_reqs) - num_reqs  # requests padded to a bucket: shapes repeat
         cu_logits = input_batch.cu_num_logits
         first = cu_logits[:num_reqs].long()[:, None]  # [R, 1]
         num_logits = (cu_logits[1 : num_reqs + 1] - cu_logits[:num_reqs]).long()  # [R]
-        slots = engine.tables.tokens.shape[1]
-        slot = torch.arange(slots, device=logits.device)
+        slot = torch.arange(self.engine.tables.tokens.shape[1], device=logits.device)
         logit_rows = torch.where(slot < num_logits[:, None], first + slot, first)  # [R, Q]
-        trees = engine.tables.batch_trees(num_reqs, num_logits)
+        # A chunk of a prefill that is not its last emits nothing (vLLM's rule).
+        prefill_len = self.sampler.req_states.prefill_len.gpu[input_batch.idx_mapping.long()]
+        chunk = (input_batch.seq_lens[:num_reqs] < prefill_len).long()
+        start = input_batch.query_start_loc[:num_reqs].long()
+        active = self.engine.tables.tree_rows[: num_reqs + pad] >= 0
+        inputs = [target.long()[logit_rows], num_logits, chunk, start]
+        inputs = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in inputs]
+        sampled, num_sampled, num_rejected = self.tail(*inputs, active)
+        self.engine.walked = True
+        return SamplerOutput(  # copies: the graph's outputs are rewritten by its next replay
+            sampled_token_ids=sampled[:num_reqs].clone(),
+            logprobs_tensors=None,
+            num_nans=None,
+            num_sampled=num_sampled[:num_reqs].clone(),
+            num_rejected=num_rejected[:num_reqs].clone(),
+        )
+
+    def _tail(self, target, num_logits, chunk, start, active):
+        """``target [R, Q]`` (the target's token per tree slot), ``num_logits [R]``, ``chunk
+        [R]`` (1: a non-final prefill chunk), ``start [R]`` (first row), ``active [R]`` (bool:
+        verifies a tree) -> sampled ``[R, B + 1]``, num_sampled, num_rejected; the walked paths
+        stored and their K/V committed."""
+        engine = self.engine
+        trees = engine.tables.batch_trees(active, num_logits)
         if engine.settings.tree_kernels == "fused":
             from ddtree.kernels import walk_fused
 
-            acceptance = walk_fused(trees, target.long()[logit_rows])
+            acceptance = walk_fused(trees, target)
         else:
-            acceptance = walk(trees, target.long()[logit_rows])
-
-        sampled = torch.full((num_reqs, self.width), -1, dtype=torch.long, device=logits.device)
+            acceptance = walk(trees, target)
+        sampled = torch.full(
+            (target.shape[0], self.width), -1, dtype=torch.long, device=target.device
+        )
         cols = min(self.width, acceptance.emitted.shape[1])
         sampled[:, :cols] = acceptance.emitted[:, :cols]
-        # A chunk of a prefill that is not its last emits nothing (vLLM's rule).
-        prefill_len = self.sampler.req_states.prefill_len.gpu[input_batch.idx_mapping.long()]
-        chunk = input_batch.seq_lens[:num_reqs] < prefill_len
-        num_sampled = torch.where(chunk, 0, acceptance.num_accepted + 1)
-        num_rejected = torch.where(chunk, 0, num_logits - num_sampled).int()
-        num_sampled = num_sampled.int()
-        engine.tables.path[:num_reqs].copy_(acceptance.path)
-        engine.walked = True
-        engine.commit_kv(input_batch.query_start_loc, num_reqs)
-        return SamplerOutput(
-            sampled_token_ids=sampled,
-            logprobs_tensors=None,
-            num_nans=None,
-            num_sampled=num_sampled,
-            num_rejected=num_rejected,
-        )
+        num_sampled = torch.where(chunk > 0, 0, acceptance.num_accepted + 1)
+        num_rejected = torch.where(chunk > 0, 0, num_logits - num_sampled)
+        engine.tables.path[: target.shape[0]].copy_(acceptance.path)
+        engine.commit(acceptance.path, active, start)
+        return sampled, num_sampled.int(), num_rejected.int()
+
+
+def _harmless(target, num_logits, chunk, start, active):
+    """The warm-up before a capture runs the tail for real: with no request active it moves no
+    K/V (a move run twice would not be harmless)."""
+    return [target, num_logits, chunk, start, torch.zeros_like(active)]
