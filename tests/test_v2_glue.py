@@ -31,7 +31,7 @@ def _engine(trees, state_rows, kernels: str):
     from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
 
     tables = TreeTables(8, BUDGET, DEPTH, torch.device("cpu"))
-    tables.store(state_rows, trees.tokens, trees.parents, trees.depths, trees.ancestors)
+    tables.store(state_rows, trees)
     settings = Settings(cuda_graphs=False, tree_kernels=kernels)
     return TreeEngine(DDTreeOptions(BUDGET), DEPTH, settings, tables)
 

@@ -30,6 +30,8 @@ class TreeTables:
     def __init__(self, max_reqs: int, budget: int, depth: int, device: torch.device):
         slots = 1 + budget
         batch_rows = graphs.bucket(max_reqs)  # a step's requests, padded to a bucket
+        self.spare_row = max_reqs  # written by padded rows of the drafter's graph, never read
+        max_reqs += 1
         self.tokens = torch.full((max_reqs, slots), -1, dtype=torch.long, device=device)
         self.parents = torch.full((max_reqs, slots), -1, dtype=torch.long, device=device)
         self.depths = torch.zeros(max_reqs, slots, dtype=torch.int32, device=device)
@@ -39,14 +41,13 @@ class TreeTables:
         self.tree_rows = torch.full((batch_rows,), -1, dtype=torch.int32, device=device)
         self.path = torch.full((batch_rows, depth + 1), -1, dtype=torch.long, device=device)
 
-    def store(self, state_rows: torch.Tensor, tokens, parents, depths, ancestors) -> None:
-        """Trees in batch order (``[>= R, Q]`` each, ``ancestors [>= R, Q, D + 1]``) into
-        the rows ``state_rows [R]`` of their requests."""
-        num_reqs = state_rows.shape[0]
-        self.tokens.index_copy_(0, state_rows, tokens[:num_reqs])
-        self.parents.index_copy_(0, state_rows, parents[:num_reqs])
-        self.depths.index_copy_(0, state_rows, depths[:num_reqs].int())
-        self.ancestors.index_copy_(0, state_rows, ancestors[:num_reqs].int())
+    def store(self, state_rows: torch.Tensor, trees: DraftTree) -> None:
+        """Trees in batch order (``[R, Q]``) into the rows ``state_rows [R]`` of their
+        requests (fixed shapes: it runs inside the drafter's graph)."""
+        self.tokens.index_copy_(0, state_rows, trees.tokens)
+        self.parents.index_copy_(0, state_rows, trees.parents)
+        self.depths.index_copy_(0, state_rows, trees.depths.int())
+        self.ancestors.index_copy_(0, state_rows, trees.ancestors.int())
 
     def batch_trees(self, active: torch.Tensor, scheduled: torch.Tensor) -> DraftTree:
         """This step's trees in batch order ``[R, Q]``: a request not ``active [R]`` gets a

@@ -4,9 +4,9 @@ positions, whose drafts become a B-node tree per request.
 - Before the drafter runs, each verified request's accepted path is moved to the front of its
   rows (the drafter's hidden states) at sequential positions, so vLLM's DFlash input kernel,
   which takes the rows before the rejected suffix as context, reads exactly the accepted path.
-- The drafter's forward, its logits, the per-depth top-k and the tree build run inside the
-  drafter's full CUDA graph (one per request bucket); the trees land in batch-order buffers and
-  are then stored under each request's state row (:class:`TreeTables`).
+- The drafter's forward, its logits, the per-depth top-k, the tree build and the store of each
+  tree under its request's state row (:class:`TreeTables`) run inside the drafter's full CUDA
+  graph (one per request bucket); padded rows of the graph write the tables' spare row.
 """
 
 from __future__ import annotations
@@ -38,17 +38,16 @@ def make_speculator_class(base):
             self.draft_logits = None  # the tree sampler needs no draft distribution
             tables = TreeTables(self.max_num_reqs, options.budget, depth, device)
             self.engine = TreeEngine(options, depth, config.SETTINGS, tables)
-            slots = 1 + options.budget
-            # The last proposal's trees in batch order (written inside the drafter's graph).
-            self.batch_tokens = torch.full(
-                (self.max_num_reqs, slots), -1, dtype=torch.long, device=device
+            # The last proposal's node tokens [R, B] in batch order, for vLLM's draft tokens.
+            self.draft_nodes = torch.zeros(
+                self.max_num_reqs, options.budget, dtype=torch.long, device=device
             )
-            self.batch_parents = torch.full_like(self.batch_tokens, -1)
-            self.batch_depths = torch.zeros_like(self.batch_tokens)
             self._fused_buffers = {}  # batch size -> ddtree.kernels.TreeBuffers
-            self.batch_ancestors = torch.zeros(
-                self.max_num_reqs, slots, depth + 1, dtype=torch.long, device=device
-            )
+
+        def _copy_request_inputs(self, num_reqs, idx_mapping, temperature, seeds):
+            super()._copy_request_inputs(num_reqs, idx_mapping, temperature, seeds)
+            # Padded rows of the drafter's graph store their trees in the tables' spare row.
+            self.idx_mapping[num_reqs:].fill_(self.engine.tables.spare_row)
 
         def _generate_draft(
             self,
@@ -72,10 +71,10 @@ def make_speculator_class(base):
             rows = self.sample_indices[: num_reqs * depth]
             logits = self.model.compute_logits(hidden[rows]).view(num_reqs, depth, -1)
             trees = self._build_trees(logits)
-            self.batch_tokens[:num_reqs].copy_(trees.tokens)
-            self.batch_parents[:num_reqs].copy_(trees.parents)
-            self.batch_depths[:num_reqs].copy_(trees.depths)
-            self.batch_ancestors[:num_reqs].copy_(trees.ancestors)
+            # Inside the graph: each tree under its request's row, its node tokens for vLLM.
+            self.engine.tables.store(self.idx_mapping[:num_reqs].long(), trees)
+            nodes = trees.tokens[:, 1:]
+            self.draft_nodes[:num_reqs].copy_(torch.where(nodes >= 0, nodes, 0))
 
         def _build_trees(self, logits: torch.Tensor):
             """Trees of ``logits [R, D, V]``: torch ops, or ``ddtree.kernels`` (six launches)
@@ -127,17 +126,7 @@ def make_speculator_class(base):
                 dummy_run=dummy_run,
                 **kwargs,
             )
-            num_reqs = input_batch.num_reqs
-            if not dummy_run:
-                engine.tables.store(
-                    input_batch.idx_mapping[:num_reqs].long(),
-                    self.batch_tokens,
-                    self.batch_parents,
-                    self.batch_depths,
-                    self.batch_ancestors,
-                )
-            nodes = self.batch_tokens[:num_reqs, 1:]
-            return torch.where(nodes >= 0, nodes, 0)
+            return self.draft_nodes[: input_batch.num_reqs]
 
         def _accepted_path_first(self, input_batch, hidden_states: list[torch.Tensor]) -> None:
             """Rows ``start + k`` of each verified request := rows ``start + path[k]`` (k <=
