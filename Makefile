@@ -21,10 +21,17 @@ lint: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-# pytest exits 5 when it collects no test: that is a failure here, not a pass.
+# Two tiers: the pure tests first (about a minute), then the slow ones (vLLM engines and
+# servers, Triton's interpreter, subprocesses). pytest exits 5 when it collects no test: that
+# is a failure here, not a pass.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 test: lint
-	@$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	@for tier in "not slow" "slow"; do \
+		echo "make test: tier '$$tier'"; \
+		$(PYTEST) -m "$$tier" tests; rc=$$?; \
+		if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+		if [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	done
 
 bench-tree: venv
 	$(PY) benchmarks/tree.py --device cpu --out benchmarks/results/tree_cpu.json

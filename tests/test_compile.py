@@ -1,10 +1,13 @@
 """build_tree and walk trace into one graph (no data-dependent Python control flow)."""
 
+import pytest
 import torch
 
 import ddtree
 
 from helpers import agreeing_targets, make_logits
+
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
 
 def test_compile_fullgraph_matches_eager():

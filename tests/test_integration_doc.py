@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "integration.md"
 
 

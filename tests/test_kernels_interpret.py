@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETING:

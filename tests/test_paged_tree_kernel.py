@@ -13,6 +13,8 @@ import torch
 import ddtree
 from ddtree.vllm_plugin.attention.merge import attend_with_lse
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
 
 def test_kernel_equals_the_reference():
     """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is

@@ -8,6 +8,9 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
+
 def _client(server):
     """An OpenAI client of a ``ddtree.bench.soak.Server`` and its served model name."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")

@@ -12,6 +12,8 @@ pytest.importorskip("openai")
 
 from ddtree.bench.soak import root_cause, soak  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
 
 def test_soak_45_seconds(servers, tmp_path):
     server, reference = servers

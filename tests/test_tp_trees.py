@@ -8,6 +8,7 @@ ties, each rank holding half the vocabulary before the gather.
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,6 +16,9 @@ import torch.multiprocessing as mp
 import ddtree
 
 WORLD, BATCH, DEPTH, VOCAB, BUDGET = 2, 3, 6, 64, 40
+
+
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
 
 def _rank(rank: int, port: int, results) -> None:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -10,6 +11,8 @@ from ddtree.dflash import load_drafter
 from ddtree.generate import generate
 from ddtree.train.data import HELD_OUT_MODULES, stdlib_files, stdlib_root
 from ddtree.train.recipes import DrafterRecipe, drafter_batch
+
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
 
 def test_held_out_modules_never_in_training_set():

@@ -17,6 +17,9 @@ from ddtree.vllm_plugin.attention.merge import merge, suffix_attention
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 16, 16
 
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
+
 def test_kernel_equals_the_merged_path():
     """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
     first imported."""

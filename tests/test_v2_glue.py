@@ -17,6 +17,9 @@ import ddtree
 BUDGET, DEPTH, VOCAB, BLOCK = 15, 4, 11, 16
 
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
+
 def test_v2_glue():
     """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
     first imported."""

@@ -10,6 +10,8 @@ vllm = pytest.importorskip("vllm")
 
 from engines import MODELS, PROMPTS, ddtree_spec, engine  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
 MAX_MODEL_LEN = 384
 BLOCK = 32
 

@@ -9,6 +9,8 @@ from engines import assert_same_distribution, ddtree_spec, engine, token_counts 
 
 from models import known_pair, make_drafter, make_target  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
 
 def _engine(target_dir, spec):
     return engine(

@@ -1,0 +1,258 @@
+"""DDTree's configuration in vLLM: options parsed and refused with clear errors, the
+environment settings, CUDA settings per runner, start-up refusals that need no engine."""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from engines import MODELS  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"ddtree_budget": 0}, r"ddtree_budget must be an int in \[1, 1024\]"),
+        ({"ddtree_budget": 2000}, r"ddtree_budget must be an int in \[1, 1024\]"),
+        ({"ddtree_budget": "64"}, r"ddtree_budget must be an int"),
+        ({"ddtree_budget": 64, "ddtree_chain_seed": "yes"}, "ddtree_chain_seed must be"),
+        ({"ddtree_budget": 64, "model": None}, "must name the DFlash drafter"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_tokens": 0}, "ddtree_max_verify_tokens must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_tokens": 9.5}, "ddtree_max_verify_tokens must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_cost": 0.9}, "ddtree_max_verify_cost must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_cost": "1.1"}, "ddtree_max_verify_cost must"),
+        ({"ddtree_budget": 64, "ddtree_max_verify_cost": float("nan")}, "ddtree_max_verify_cost"),
+        (
+            {"ddtree_budget": 64, "ddtree_budgte": 9},
+            r"unknown ddtree option\(s\) \['ddtree_budgte'\]",
+        ),
+    ],
+)
+def test_bad_config_is_refused(spec, message):
+    from ddtree.vllm_plugin.config import parse_options
+
+    full = {"method": "ddtree", "model": str(MODELS / "drafter"), **spec}
+    with pytest.raises(ValueError, match=message):
+        parse_options(full)
+
+
+def test_default_verify_cap():
+    from ddtree.vllm_plugin.config import parse_options
+
+    base = {"method": "ddtree", "model": str(MODELS / "drafter")}
+    assert parse_options({**base, "ddtree_budget": 64})[1].max_verify_tokens == 512
+    assert parse_options({**base, "ddtree_budget": 1023})[1].max_verify_tokens == 1024
+    off = {**base, "ddtree_budget": 64, "ddtree_max_verify_tokens": None}
+    assert parse_options(off)[1].max_verify_tokens is None
+    # The cost model is off by default on the CPU; asked for, it replaces the default cap.
+    assert parse_options({**base, "ddtree_budget": 64})[1].max_verify_cost is None
+    costed = parse_options({**base, "ddtree_budget": 64, "ddtree_max_verify_cost": 1.2})[1]
+    assert (costed.max_verify_cost, costed.max_verify_tokens) == (1.2, None)
+
+
+def test_step_budget_follows_the_batch_but_keeps_the_chain():
+    from ddtree.vllm_plugin.config import DDTreeOptions
+
+    fixed = DDTreeOptions(budget=255)
+    assert [fixed.step_budget(n, 15) for n in (1, 8, 64)] == [255, 255, 255]
+    capped = DDTreeOptions(budget=255, max_verify_tokens=512)
+    assert [capped.step_budget(n, 15) for n in (1, 2, 4, 16, 64)] == [255, 255, 127, 31, 15]
+    assert DDTreeOptions(budget=8, max_verify_tokens=16).step_budget(32, 15) == 8
+    costed = DDTreeOptions(budget=255, max_verify_tokens=512, bucket_budgets={1: 127, 2: 255})
+    assert [costed.step_budget(n, 15) for n in (1, 2, 4)] == [127, 255, 127]
+
+
+def test_budget_above_batched_tokens_is_refused():
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 512}
+    with pytest.raises(ValueError, match="must be below max_num_batched_tokens"):
+        vllm.LLM(
+            model=str(MODELS / "target"),
+            speculative_config=spec,
+            max_num_batched_tokens=256,
+            gpu_memory_utilization=0.2,
+        )
+
+
+def test_scheduler_keeps_room_for_whole_trees():
+    """vLLM reserves drafter slots per sequence out of max_num_batched_tokens; with DDTree that
+    is the drafter's D queries, not B (B - 1 per sequence would leave B=511 x 16 sequences 32
+    tokens per step)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "ddtree", "model": str(MODELS / "drafter"), "ddtree_budget": 511}
+    config = EngineArgs(
+        model=str(MODELS / "target"),
+        speculative_config=spec,
+        max_num_seqs=16,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+    ).create_engine_config()
+    assert config.speculative_config.max_num_new_slots_for_drafting == 14
+    assert config.scheduler_config.max_num_scheduled_tokens == 8192 - 14 * 16
+
+
+def test_triton_tree_attention_is_refused_on_the_cpu():
+    from ddtree.vllm_plugin.config import Settings, check_platform
+
+    with pytest.raises(NotImplementedError, match="DDTREE_TREE_ATTENTION=triton needs a CUDA"):
+        check_platform(Settings(tree_attention="triton"))
+    with pytest.raises(NotImplementedError, match="DDTREE_TREE_KERNELS=fused runs on CUDA"):
+        check_platform(Settings(tree_kernels="fused"))
+    check_platform(Settings(tree_attention="auto"))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"DDTREE_TREE_ATTENTION": "flash"}, "DDTREE_TREE_ATTENTION must be one of"),
+        ({"DDTREE_SYNC_DEBUG": "loud"}, "DDTREE_SYNC_DEBUG must be warn or error"),
+        ({"DDTREE_PROFILE": "often"}, "DDTREE_PROFILE must be a number"),
+        ({"DDTREE_TREE_KERNELS": "cuda"}, "DDTREE_TREE_KERNELS must be one of"),
+    ],
+)
+def test_bad_environment_is_refused(monkeypatch, env, message):
+    from ddtree.vllm_plugin.config import Settings
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        Settings.from_env()
+
+
+def test_environment_settings(monkeypatch):
+    from ddtree.vllm_plugin.config import Settings
+
+    for name, value in {
+        "DDTREE_TREE_ATTENTION": "merge",
+        "DDTREE_CUDA_GRAPHS": "0",
+        "DDTREE_SYNC_DEBUG": "warn",
+        "DDTREE_PROFILE": "20",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert Settings.from_env() == Settings("merge", False, "warn", 20, False)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 128}, "hidden_size 128 != target hidden_size 256"),
+        ({"vocab_size": 9000}, "vocab_size 9000 != target vocab_size 8192"),
+        ({"dflash_config": {"mask_token_id": 9000}}, "mask_token_id 9000 is not in the target"),
+        (
+            {"dflash_config": {"target_layer_ids": [1, 2, 7]}},
+            r"target_layer_ids \[7\] out of range",
+        ),
+    ],
+)
+def test_mismatched_drafter_is_refused_at_start(tmp_path, change, message):
+    import json
+    import shutil
+
+    draft = tmp_path / "drafter"
+    shutil.copytree(MODELS / "drafter", draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    for key, value in change.items():
+        if key == "dflash_config":
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    (draft / "config.json").write_text(json.dumps(cfg))
+    spec = {"method": "ddtree", "model": str(draft), "ddtree_budget": 16}
+    with pytest.raises(ValueError, match=message):
+        vllm.LLM(
+            model=str(MODELS / "target"),
+            speculative_config=spec,
+            max_num_batched_tokens=2048,
+            max_num_seqs=4,
+            gpu_memory_utilization=0.2,
+        )
+
+
+def _cuda_args(async_scheduling=None, cudagraph_mode=None):
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = None if cudagraph_mode is None else CUDAGraphMode[cudagraph_mode]
+    return SimpleNamespace(
+        async_scheduling=async_scheduling,
+        enforce_eager=False,
+        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+    )
+
+
+@pytest.mark.parametrize(
+    "env, overrides, message",
+    [
+        (None, {"cudagraph_mode": "FULL"}, "not FULL: a full graph of a mixed batch"),
+        ("1", {"cudagraph_mode": "FULL"}, "not FULL: a full graph of a mixed batch"),
+        ("0", {"async_scheduling": True}, "does not support async_scheduling"),
+        ("0", {"cudagraph_mode": "FULL_AND_PIECEWISE"}, "cudagraph_mode PIECEWISE or NONE"),
+    ],
+)
+def test_cuda_settings_refuse_conflicting_choices(monkeypatch, env, overrides, message):
+    from ddtree.vllm_plugin.config import configure_for_cuda
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    with pytest.raises(ValueError, match=message):
+        configure_for_cuda(_cuda_args(**overrides))
+
+
+def test_cuda_settings_defaults(monkeypatch):
+    """The V2 runner keeps vLLM's defaults (full graphs of the verify step, async scheduling);
+    the V1 fallback gets synchronous scheduling and piecewise graphs."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.config import configure_for_cuda
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    args = _cuda_args()
+    configure_for_cuda(args)
+    assert args.async_scheduling is None and args.compilation_config.cudagraph_mode is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    args = _cuda_args()
+    configure_for_cuda(args)
+    assert args.async_scheduling is False
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+@pytest.mark.parametrize(
+    "budget, mode, message",
+    [
+        (511, None, "budgets above 255 gave wrong tokens"),
+        (64, "FULL", "not FULL: a full graph of a mixed batch"),
+    ],
+)
+def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, message):
+    """The V2 runner's checks (CUDA only at run time; the check itself is plain Python)."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.v2.prepare import check_settings
+
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    config = SimpleNamespace(
+        parallel_config=parallel,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(uses_mrope=False),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode[mode] if mode else CUDAGraphMode.FULL_AND_PIECEWISE
+        ),
+        speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
+    )
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        check_settings(config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.speculative_config.ddtree = DDTreeOptions(255)
+    check_settings(config)  # what the suite verified passes
