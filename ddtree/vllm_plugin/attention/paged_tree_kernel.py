@@ -22,18 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _online_softmax_step(scores, v, top, total, acc):
-    """Fold a tile of ``scores [M, N]`` (``-inf`` where unseen) and its ``v [N, hd]`` into
-    the running row maxima ``top``, softmax sums ``total`` and outputs ``acc``."""
-    new_top = tl.maximum(top, tl.max(scores, 1))
-    safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # rows that have seen nothing yet
-    probs = tl.exp(scores - safe[:, None])
-    rescale = tl.exp(top - safe)
-    total = total * rescale + tl.sum(probs, 1)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-    return new_top, total, acc
+from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step
 
 
 @triton.jit
