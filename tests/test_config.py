@@ -221,13 +221,14 @@ def test_cuda_settings_defaults(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "budget, mode, message",
+    "budget, mode, max_model_len, message",
     [
-        (511, None, "budgets above 255 gave wrong tokens"),
-        (64, "FULL", "not FULL: a full graph of a mixed batch"),
+        (511, "FULL_AND_PIECEWISE", 2048, "budgets above 255 gave wrong tokens"),
+        (64, "FULL", 2048, "not FULL: a full graph of a mixed batch"),
+        (255, "FULL_AND_PIECEWISE", 512, "needs max_model_len >= 513"),
     ],
 )
-def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, message):
+def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, message):
     """The V2 runner's checks (CUDA only at run time; the check itself is plain Python)."""
     from types import SimpleNamespace
 
@@ -245,14 +246,13 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, message):
     config = SimpleNamespace(
         parallel_config=parallel,
         cache_config=SimpleNamespace(cache_dtype="auto"),
-        model_config=SimpleNamespace(uses_mrope=False),
-        compilation_config=SimpleNamespace(
-            cudagraph_mode=CUDAGraphMode[mode] if mode else CUDAGraphMode.FULL_AND_PIECEWISE
-        ),
+        model_config=SimpleNamespace(uses_mrope=False, max_model_len=max_model_len),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
         speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
     )
     with pytest.raises((ValueError, NotImplementedError), match=message):
         check_settings(config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.model_config.max_model_len = 513
     config.speculative_config.ddtree = DDTreeOptions(255)
     check_settings(config)  # what the suite verified passes

@@ -8,8 +8,11 @@ from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
 # Budgets verified token-for-token on the V2 runner (H200 equality suite, B = 1, 15, 64, 255).
-# At B=511 every request parted from no-spec at its first tokens (0 of 8 equal, not near-ties):
-# a bug not found yet, so larger budgets are refused here rather than served wrong.
+# At B=511 (max_model_len 1024) every request parted from no-spec from its first token: most
+# likely vLLM's start-up warm-up (v1/worker/gpu/warmup.py: warmup_kernels), whose requests are
+# 2B + 3 tokens long, ran past max_model_len and wrote K/V through a block-table row's end,
+# before any request (the check below now refuses that). Until B=511 is verified with a long
+# enough max_model_len, larger budgets are refused rather than risked.
 MAX_V2_BUDGET = 255
 
 
@@ -41,6 +44,13 @@ def check_settings(vllm_config) -> None:
             f"ddtree_budget {budget} on the V2 model runner: budgets above {MAX_V2_BUDGET} "
             "gave wrong tokens in the H200 equality suite and are refused until fixed; use "
             f"ddtree_budget <= {MAX_V2_BUDGET} (or VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+    max_model_len = vllm_config.model_config.max_model_len
+    if 2 * budget + 3 > max_model_len:
+        raise ValueError(
+            f"ddtree_budget {budget} needs max_model_len >= {2 * budget + 3} on the V2 model "
+            f"runner (got {max_model_len}): vLLM's start-up warm-up runs requests of 2 x budget "
+            "+ 3 tokens; lower ddtree_budget or raise max_model_len"
         )
     if config.SETTINGS.tree_attention == "merge":
         raise ValueError("DDTREE_TREE_ATTENTION=merge runs on the V1 model runner only")
