@@ -30,9 +30,14 @@ The math mirrors vLLM 0.26 (paths under ``vllm/``):
   window_t[j])`` over the window ``[inputs t-W+1 .. t]`` (``F.conv1d`` is a correlation, so
   ``weight[:, W-1]`` multiplies the current input); ``act`` is SiLU for "silu"/"swish".
 
-``tests/test_gdn.py`` checks :func:`chain_gdn` against vLLM's CPU kernels
-(``fused_sigmoid_gating_delta_rule_update_spec_cpu``, ``chunk_gated_delta_rule_cpu``) and
-:func:`tree_conv1d` against ``causal_conv1d_update_torch`` when they can be imported.
+What is run, not only read: ``tests/test_gdn.py`` checks :func:`chain_gdn` (outputs and the
+state after every token) against vLLM's CPU kernels (``vllm._custom_ops``)
+``fused_sigmoid_gating_delta_rule_update_spec_cpu`` (recurrent) and
+``chunk_gated_delta_rule_cpu`` (chunked prefill), :func:`gdn_gating` against
+``fused_gdn_gating_cpu`` and :func:`tree_conv1d` against ``causal_conv1d_update_torch``
+(skipped where they cannot be imported). The CPU kernels take the state as ``[HV, K, V]``
+(their shape check says so; ``ops/cpu/gdn_attention.py`` views the ``[HV, V, K]`` cache that
+way): the tests transpose. The Triton (GPU) kernels are read, not run, here.
 
 Trees are ``parents`` arrays long ``[b, N]`` as in :class:`ddtree.tree.DraftTree`: slot 0 is the
 root (the last committed token, not yet run through the target), a parent precedes its
@@ -62,6 +67,8 @@ def gdn_gating(
 
     ``A_log, dt_bias [HV]``; ``a, b [..., HV]``. Returns ``(g, beta)``, both ``[..., HV]`` in
     float32 or wider: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``.
+    vLLM's prefill (``fused_gdn_gating``) and packed-decode kernels round ``beta`` to ``b``'s
+    dtype, its spec-decode kernel does not: round the result to match the former.
     """
     dtype = _compute_dtype(A_log, a, b, dt_bias)
     x = a.to(dtype) + dt_bias.to(dtype)
