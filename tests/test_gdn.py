@@ -205,6 +205,9 @@ def test_tree_conv1d_matches_vllm_causal_conv1d_update_torch(parents, shape):
                 x[row : row + 1, path].transpose(1, 2), cached, weight, bias, activation
             )  # [1, C, T]
             torch.testing.assert_close(out[row, slot], want[0, :, -1], rtol=0, atol=1e-12)
+            # vLLM's conv state after a chain: its last W-1 inputs (what replay_path keeps).
+            history = torch.cat([conv_state[row], x[row, path].T], 1)
+            torch.testing.assert_close(cached[0], history[:, -(width - 1) :], rtol=0, atol=0)
 
 
 @settings(max_examples=40, deadline=None)
@@ -239,8 +242,8 @@ def test_replay_path_commits_the_accepted_chain(parents, shape, width, path_seed
         torch.testing.assert_close(new_conv[row], history[:, -(width - 1) :], rtol=0, atol=0)
 
 
-def test_replay_of_the_root_alone_and_conv_state_windows():
-    """Length-1 paths (only the root accepted): one step, conv state shifted by one column."""
+def test_replay_by_hand_root_only_and_two_slots():
+    """Root only: one step, conv state shifted by one column; root + slot 2: two columns."""
     parents = torch.tensor([[-1, 0, 1], [-1, 0, 0]])
     q, k, v, g, beta, state = gdn_inputs(parents, 3, 1, 2, 3, 2)
     x = torch.arange(2 * 3 * 2, dtype=F64).view(2, 3, 2)  # [b, N, C]
