@@ -55,6 +55,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Defaults of the sizes of ``ddtree train`` (the recipe) and of ``--tiny``, a seconds-long CPU
+# smoke run of every stage; a flag given on the command line wins over both.
+TRAIN_DEFAULTS = {
+    "vocab_size": 8192,
+    "target_steps": 1200,
+    "drafter_steps": 4000,
+    "distill_tokens": 3_000_000,
+}
+TINY_DEFAULTS = {"vocab_size": 512, "target_steps": 30, "drafter_steps": 20, "distill_tokens": 1024}
+TINY_FILE_STRIDE = 20  # --tiny trains on every 20th training file (~0.5 M of ~11 M chars)
+
+
 def _train(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,7 +82,10 @@ def _train(args: argparse.Namespace) -> int:
 
     out = args.out
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    texts = read_texts(stdlib_files())
+    files = stdlib_files()
+    if args.tiny:  # a spread-out sample: tokenizing all 11 M chars alone takes ~10 s on a CPU
+        files = files[::TINY_FILE_STRIDE]
+    texts = read_texts(files)
     print(f"training data: {len(texts)} stdlib files, {sum(map(len, texts)) / 1e6:.1f} M chars")
     if args.what in ("tokenizer", "all"):
         tokenizer = train_tokenizer(texts, out / "tokenizer", vocab_size=args.vocab_size)
@@ -102,7 +117,6 @@ def _train(args: argparse.Namespace) -> int:
             print(f"distilled stream: {stream.numel() / 1e6:.2f} M tokens from {cache}")
         elif args.distill_tokens > 0:  # train on the target's own outputs
             eos_id = tokenizer.convert_tokens_to_ids(EOS)
-            small = {"length": 64, "prompt_len": 16, "batch": 4} if args.tiny else {}
             stream = distill_stream(
                 target,
                 stream,
@@ -111,7 +125,7 @@ def _train(args: argparse.Namespace) -> int:
                 device=device,
                 seed=args.seed,
                 greedy_fraction=args.greedy_fraction,
-                **small,
+                **_small(args, "distill"),
             )
             print(f"distilled stream: {stream.numel() / 1e6:.2f} M tokens")
             if cache is not None:  # written whole, then renamed: readers never see a part
@@ -121,8 +135,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_sizes(args: argparse.Namespace) -> None:
+    """Fill the size flags left out with the recipe's defaults, or --tiny's."""
+    for name, default in (TINY_DEFAULTS if args.tiny else TRAIN_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def _small(args: argparse.Namespace, which: str) -> dict:
-    """--tiny: a seconds-long CPU smoke run of the whole recipe."""
+    """--tiny: the shapes of a seconds-long CPU smoke run of the whole recipe."""
     if not args.tiny:
         return {}
     if which == "target":
@@ -134,6 +155,8 @@ def _small(args: argparse.Namespace, which: str) -> dict:
             "batch": 4,
             "warmup": 2,
         }
+    if which == "distill":  # one generate call of 16 x 64 tokens covers the default 1024
+        return {"length": 64, "prompt_len": 16, "batch": 16}
     return {"seq_len": 64, "batch": 4, "anchors": 4, "warmup": 2}
 
 
@@ -233,14 +256,31 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train the tokenizer, target and DFlash drafter")
     train.add_argument("what", choices=("tokenizer", "target", "drafter", "all"))
     train.add_argument("--out", type=Path, required=True, help="directory for the models")
-    train.add_argument("--vocab-size", type=int, default=8192)
-    train.add_argument("--target-steps", type=int, default=1200)
-    train.add_argument("--drafter-steps", type=int, default=4000)
+    full, tiny = TRAIN_DEFAULTS, TINY_DEFAULTS
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"default {full['vocab_size']} (--tiny: {tiny['vocab_size']})",
+    )
+    train.add_argument(
+        "--target-steps",
+        type=int,
+        default=None,
+        help=f"default {full['target_steps']} (--tiny: {tiny['target_steps']})",
+    )
+    train.add_argument(
+        "--drafter-steps",
+        type=int,
+        default=None,
+        help=f"default {full['drafter_steps']} (--tiny: {tiny['drafter_steps']})",
+    )
     train.add_argument(
         "--distill-tokens",
         type=int,
-        default=3_000_000,
-        help="train the drafter on this many tokens of the target's own outputs (0: on the data)",
+        default=None,
+        help="train the drafter on this many tokens of the target's own outputs (0: on the "
+        f"data); default {full['distill_tokens']:,} (--tiny: {tiny['distill_tokens']})",
     )
     train.add_argument(
         "--greedy-fraction",
@@ -270,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    train.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run")
+    train.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a seconds-long CPU smoke run: tiny shapes, step counts and data sample",
+    )
 
     tau = sub.add_parser("tau", help="acceptance (tau) vs budget on held-out prompts")
     tau.add_argument("--target", type=Path, required=True)
@@ -325,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_vllm.run(args, argv[1:])
     if args.command == "soak":
         return soak_tool.run(args, extra)
+    if args.command == "train":
+        _train_sizes(args)
     handlers = {"generate": _generate, "train": _train, "tau": _tau}
     return handlers[args.command](args)
 

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from ddtree.cli import main
+import ddtree.cli
+from ddtree.cli import TINY_DEFAULTS, TRAIN_DEFAULTS, main
 from ddtree.generate import generate
 
 from models import make_drafter, make_target, save_word_tokenizer
@@ -120,3 +121,25 @@ def test_serve_command_methods(model_dirs):
     }
     assert chain[chain.index("--max-num-seqs") + 1] == "32"
     assert _spec(serve_command(_serve_args(model=target, draft=drafter, budget=0), [])) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        ([], TRAIN_DEFAULTS),  # the recipe, unchanged by --tiny's defaults
+        (["--tiny"], TINY_DEFAULTS),
+        (["--tiny", "--target-steps", "7"], {**TINY_DEFAULTS, "target_steps": 7}),
+        (["--distill-tokens", "0"], {**TRAIN_DEFAULTS, "distill_tokens": 0}),
+    ],
+)
+def test_train_sizes_default_to_the_recipe_or_tiny(monkeypatch, flags, want):
+    seen = {}
+    monkeypatch.setattr(ddtree.cli, "_train", lambda args: seen.update(vars(args)) or 0)
+    assert main(["train", "all", "--out", "unused", *flags]) == 0
+    assert {name: seen[name] for name in want} == want
+    assert TRAIN_DEFAULTS == {
+        "vocab_size": 8192,
+        "target_steps": 1200,
+        "drafter_steps": 4000,
+        "distill_tokens": 3_000_000,
+    }

@@ -1,12 +1,14 @@
 """Training recipes: data split, packed drafter batches, a tiny end-to-end run, resuming."""
 
 import json
+import logging
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.cli import main
+from ddtree.cli import TINY_DEFAULTS, main
 from ddtree.dflash import load_drafter
 from ddtree.generate import generate
 from ddtree.train.data import HELD_OUT_MODULES, stdlib_files, stdlib_root
@@ -48,25 +50,23 @@ def test_drafter_batch_blocks_see_only_the_past():
                 assert row[40:].tolist() == [a * 4 <= j < a * 4 + 4 for j in range(12)]
 
 
-def test_tiny_end_to_end_and_resume(tmp_path):
+def test_tiny_end_to_end_is_fast_and_resumes(tmp_path):
+    """``train all --tiny`` with no other flag: every stage, in seconds, loadable models."""
     out = tmp_path / "m"
-    argv = [
-        "train",
-        "all",
-        "--out",
-        str(out),
-        "--tiny",
-        "--vocab-size",
-        "400",
-        "--target-steps",
-        "6",
-        "--drafter-steps",
-        "4",
-        "--distill-tokens",
-        "300",
-    ]
-    assert main(argv) == 0
+    argv = ["train", "all", "--out", str(out), "--tiny"]
+    warnings = _TransformersWarnings()
+    logging.getLogger("transformers").addHandler(warnings)
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process warnings
+    try:
+        started = time.monotonic()
+        assert main(argv) == 0
+        seconds = time.monotonic() - started
+    finally:
+        logging.getLogger("transformers").removeHandler(warnings)
+    assert seconds < 90, f"train all --tiny took {seconds:.0f} s"
+    assert not [m for m in warnings.messages if "attention mask" in m.lower()], warnings.messages
     tok = AutoTokenizer.from_pretrained(out / "target")
+    assert len(tok) == TINY_DEFAULTS["vocab_size"]
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"):
         assert tok.convert_tokens_to_ids(special) != tok.unk_token_id
     chat = tok.apply_chat_template(
@@ -79,11 +79,22 @@ def test_tiny_end_to_end_and_resume(tmp_path):
     ids = tok("def f(x):\n    return", add_special_tokens=False)["input_ids"]
     want = generate(target, None, ids, "ar", max_new_tokens=12).tokens
     assert generate(target, drafter, ids, "ddtree", budget=32, max_new_tokens=12).tokens == want
+    steps = TINY_DEFAULTS["target_steps"]
     log = json.loads((out / "target" / "training_log.json").read_text())
-    assert log["loss_history"][-1][0] == 6
+    assert log["loss_history"][-1][0] == steps
+    log = json.loads((out / "drafter" / "training_log.json").read_text())
+    assert log["loss_history"][-1][0] == TINY_DEFAULTS["drafter_steps"]
 
-    # Resume: the checkpoint holds step 6; asking for 9 steps trains 3 more.
-    argv[argv.index("--target-steps") + 1] = "9"
-    assert main(["train", "target", *argv[2:]]) == 0
+    # Resume: the checkpoint holds the last step; asking for 3 more trains 3 more.
+    assert main(["train", "target", *argv[2:], "--target-steps", str(steps + 3)]) == 0
     log = json.loads((out / "target" / "training_log.json").read_text())
-    assert [s for s, _ in log["loss_history"]] == [6, 9]
+    assert [s for s, _ in log["loss_history"]] == [steps, steps + 3]
+
+
+class _TransformersWarnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -134,6 +134,10 @@ def distill_stream(
         with autocast(device):
             out = target.generate(
                 prompts,
+                # All ones: a prompt is a window of the stream, never padded; its EOS tokens
+                # separate documents and are attended to. As pad == EOS, transformers cannot
+                # infer that, warns, and falls back to these same ones.
+                attention_mask=torch.ones_like(prompts),
                 max_new_tokens=length - prompt_len,
                 min_new_tokens=length - prompt_len,
                 do_sample=not greedy,
