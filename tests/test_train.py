@@ -4,7 +4,6 @@ import json
 import logging
 import time
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -13,8 +12,6 @@ from ddtree.dflash import load_drafter
 from ddtree.generate import generate
 from ddtree.train.data import HELD_OUT_MODULES, stdlib_files, stdlib_root
 from ddtree.train.recipes import DrafterRecipe, drafter_batch
-
-pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
 
 def test_held_out_modules_never_in_training_set():
