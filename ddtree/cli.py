@@ -211,6 +211,9 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
         # Every running request may verify 1 + budget tokens in one step.
         batched = max(2048, (args.budget + 1) * args.max_num_seqs + 512)
         cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(batched)]
+    if "--served-model-name" not in extra:
+        # Clients may name the model by its folder ("target") or by the path it was given.
+        cmd += ["--served-model-name", Path(target).name, target]
     if not torch.cuda.is_available():
         # float32 keeps the CPU attention's KV layout readable by the tree attention.
         cmd += ["--dtype", "float32"]

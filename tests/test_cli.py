@@ -121,6 +121,10 @@ def test_serve_command_methods(model_dirs):
     }
     assert chain[chain.index("--max-num-seqs") + 1] == "32"
     assert _spec(serve_command(_serve_args(model=target, draft=drafter, budget=0), [])) is None
+    names = tree.index("--served-model-name")
+    assert tree[names + 1 : names + 3] == ["target", target]  # short name first, path still works
+    own = serve_command(_serve_args(model=target, draft=drafter), ["--served-model-name", "m"])
+    assert own.count("--served-model-name") == 1  # the user's choice stands
 
 
 @pytest.mark.parametrize(
