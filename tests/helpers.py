@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 from ddtree.tree import DraftTree
@@ -51,3 +55,12 @@ def agreeing_targets(tree: DraftTree, vocab: int, seed: int) -> torch.Tensor:
             target[row, parent] = tree.tokens[row, node]
             node = parent
     return target
+
+
+def run_interpreted(script: str) -> None:
+    """Run ``script`` (a test file whose ``__main__`` does the checks) in a fresh interpreter
+    with TRITON_INTERPRET=1: Triton reads it when it is first imported, so it cannot be set
+    inside this process. Fails with the script's output."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]

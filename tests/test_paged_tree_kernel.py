@@ -3,26 +3,21 @@ Triton's CPU interpreter: tree requests with full and clipped trees, a prefill r
 padded request that it must leave alone, grouped-query heads (also a group that is not a power
 of two), the cache in FlashAttention's logical view over NHD memory."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import ddtree
 from ddtree.vllm_plugin.attention.merge import attend_with_lse
 
+from helpers import run_interpreted
+
 pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
 
 def test_kernel_equals_the_reference():
-    """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
-    first imported."""
+    """Runs this file's checks under Triton's interpreter (``helpers.run_interpreted``)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_interpreted(__file__)
 
 
 def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:

@@ -2,10 +2,6 @@
 interpreter on FlashAttention's cache layout: 2 requests (one with unscheduled slots) inside a
 step with other rows, grouped-query heads."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -14,6 +10,8 @@ from ddtree.vllm_plugin.attention.cpu import prefix_attention
 from ddtree.vllm_plugin.attention.flash import read_paged_kv
 from ddtree.vllm_plugin.attention.merge import merge, suffix_attention
 
+from helpers import run_interpreted
+
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 16, 16
 
 
@@ -21,12 +19,9 @@ pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's inte
 
 
 def test_kernel_equals_the_merged_path():
-    """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
-    first imported."""
+    """Runs this file's checks under Triton's interpreter (``helpers.run_interpreted``)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_interpreted(__file__)
 
 
 def check():

@@ -5,7 +5,6 @@ for the drafter; the speculator's tree build. A batch of a full tree, a prefill 
 clipped by the scheduler, and a padded row."""
 
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -14,6 +13,8 @@ import torch
 
 import ddtree
 
+from helpers import run_interpreted
+
 BUDGET, DEPTH, VOCAB, BLOCK = 15, 4, 11, 16
 
 
@@ -21,12 +22,9 @@ pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's inte
 
 
 def test_v2_glue():
-    """Runs ``check()`` in a fresh interpreter: TRITON_INTERPRET must be set before Triton is
-    first imported."""
+    """Runs this file's checks under Triton's interpreter (``helpers.run_interpreted``)."""
     pytest.importorskip("vllm")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    run_interpreted(__file__)
 
 
 def _engine(trees, state_rows, kernels: str):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step
+from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step, _paged_kv
 
 
 @triton.jit
@@ -61,11 +61,8 @@ def _paged_tree_attention_kernel(
     for start in range(0, context, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < context
-        block = tl.load(table_ptr + r * s_tr + pos // cache_block, mask=valid, other=0)
-        base = block.to(tl.int64) * s_cb + kv_head * s_ch + (pos % cache_block) * s_ct
-        k = tl.load(cache_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(cache_ptr + base[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None],
-                    other=0.0)  # fmt: skip
+        k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
+                         s_cb, s_ch, s_ct, dims, HEAD_DIM)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         top, total, acc = _online_softmax_step(scores, v, top, total, acc)
@@ -75,11 +72,8 @@ def _paged_tree_attention_kernel(
         k_slot = start + tl.arange(0, BLOCK_N)
         valid = k_slot < count
         pos = context + k_slot
-        block = tl.load(table_ptr + r * s_tr + pos // cache_block, mask=valid, other=0)
-        base = block.to(tl.int64) * s_cb + kv_head * s_ch + (pos % cache_block) * s_ct
-        k = tl.load(cache_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(cache_ptr + base[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None],
-                    other=0.0)  # fmt: skip
+        k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
+                         s_cb, s_ch, s_ct, dims, HEAD_DIM)  # fmt: skip
         k_depth = tl.load(depths_ptr + state * s_dr + k_slot, mask=valid, other=0)
         up = q_depth[:, None] - k_depth[None, :]  # [M, N]: levels from the query up to the key
         pair = q_valid[:, None] & valid[None, :] & (up >= 0) & (up <= max_depth)

@@ -31,6 +31,19 @@ def _online_softmax_step(scores, v, top, total, acc):
 
 
 @triton.jit
+def _paged_kv(cache_ptr, table_row_ptr, pos, valid, cache_block, kv_head, s_cb, s_ch, s_ct,
+              dims, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """K and V ``[N, hd]`` of cache positions ``pos [N]`` of one request (its block table row
+    at ``table_row_ptr``) in FlashAttention's logical layout (K then V in the last dim)."""
+    block = tl.load(table_row_ptr + pos // cache_block, mask=valid, other=0)
+    base = block.to(tl.int64) * s_cb + kv_head * s_ch + (pos % cache_block) * s_ct
+    k = tl.load(cache_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(cache_ptr + base[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None],
+                other=0.0)  # fmt: skip
+    return k, v
+
+
+@triton.jit
 def _tree_attention_kernel(
     query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr,
     rows_ptr, counts_ptr, mask_ptr, context_ptr, table_ptr,
@@ -59,11 +72,8 @@ def _tree_attention_kernel(
     for start in range(0, context, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < context
-        block = tl.load(table_ptr + r * s_tr + pos // cache_block, mask=valid, other=0)
-        base = block.to(tl.int64) * s_cb + kv_head * s_ch + (pos % cache_block) * s_ct
-        k = tl.load(cache_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(cache_ptr + base[:, None] + HEAD_DIM + dims[None, :], mask=valid[:, None],
-                    other=0.0)  # fmt: skip
+        k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
+                         s_cb, s_ch, s_ct, dims, HEAD_DIM)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         top, total, acc = _online_softmax_step(scores, v, top, total, acc)
