@@ -40,7 +40,7 @@ def bind_layers(engine: EngineState, runner) -> None:
         engine.layer_groups[name] = group
 
 
-def _to_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
+def to_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
     """Host index tensors to the device in one copy (pinned, asynchronous on CUDA)."""
     packed = torch.cat([h.long().flatten() for h in host])
     if device.type == "cuda":
@@ -90,7 +90,7 @@ def prepare_step(engine: EngineState, runner, scheduler_output) -> None:
     flat_slots = scheduled.flatten().nonzero().squeeze(1)
     cu_queries = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
     parts = [index, rows, flat_slots, context, cu_queries, source, scheduled]
-    index_d, rows_d, flat_d, context_d, cu_d, source_d, scheduled_d = _to_device(parts, device)
+    index_d, rows_d, flat_d, context_d, cu_d, source_d, scheduled_d = to_device(parts, device)
     rows_d = rows_d.view(rows.shape)
     tree = gather_tree(proposal, source_d)
     tree.tokens = torch.where(scheduled_d.view(rows.shape).bool(), tree.tokens, -1)

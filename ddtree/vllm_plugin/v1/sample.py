@@ -15,7 +15,7 @@ from ddtree.verify import walk
 from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.state import EngineState
 from ddtree.vllm_plugin.v1.commit import commit_kv
-from ddtree.vllm_plugin.v1.prepare import _to_device
+from ddtree.vllm_plugin.v1.prepare import to_device
 
 
 def target_tokens(
@@ -56,7 +56,7 @@ def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sam
     first_row = torch.nn.functional.pad(counts.cumsum(0), (1, 0))  # [num_reqs + 1]
     request_of_row = torch.repeat_interleave(torch.arange(num_reqs), counts)
     num_slots = tb.rows.shape[1]
-    request_of_row_d, first_row_d = _to_device([request_of_row, first_row[:num_reqs]], device)
+    request_of_row_d, first_row_d = to_device([request_of_row, first_row[:num_reqs]], device)
     tokens = target_tokens(logits, sampling_metadata, request_of_row_d, first_row.tolist())
 
     width = metadata.max_spec_len + 1
