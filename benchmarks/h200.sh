@@ -5,6 +5,7 @@
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
+#   bash benchmarks/h200.sh fused    # DDTREE_TREE_KERNELS=fused: kernel tests, timings, bench (~8 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -59,8 +60,27 @@ tree)
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
   ;;
+fused)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1
+  tail -2 "$OUT/kernels.txt"
+  timeout 120 python3 benchmarks/tree.py --device cuda --impl both --vocabs 151936 \
+    --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
+  tail -12 "$OUT/tree.txt"
+  DDTREE_TREE_KERNELS=fused timeout 200 python3 -m ddtree.cli bench --methods dflash,ddtree \
+    --budgets 15,63,255 --concurrency 1,16 --temperatures 0 --max-tokens 128 \
+    --title "bundled pair, H200, DDTREE_TREE_KERNELS=fused" --out /tmp/bench_pair \
+    > "$OUT/bench_pair.txt" 2>&1
+  tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
+  tail -14 "$OUT/bench_pair.txt"
+  DDTREE_TREE_KERNELS=fused timeout 150 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
+    --methods dflash,ddtree --budgets 15,63 --concurrency 1,8 --temperatures 0 --max-tokens 64 \
+    --kv-cache-gib 2 --title "Qwen3-8B shapes (dummy weights), H200, fused" --out /tmp/bench_8b \
+    > "$OUT/bench_8b.txt" 2>&1
+  tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
+  tail -10 "$OUT/bench_8b.txt"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|bench|profile|tree" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|bench|profile|tree|fused" >&2
   exit 2
   ;;
 esac

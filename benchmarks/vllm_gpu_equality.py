@@ -26,18 +26,24 @@ ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (1, 15, 64, 255, 511)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
     "pair_ddtreetriton_64",
+    "pair_ddtreefused_64",
+    "pair_ddtreefused_255",
     "pair_ddtreesync_64",
     "pair_ddtreev1_64",
     "random_nospec",
     "random_dflash",
     "random_ddtree_15",
     "random_ddtree_64",
+    "random_ddtreefused_64",
 ]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
 # ddtreetriton: with attention_backend TRITON_ATTN (the backend of GPUs without FA3);
 # ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
-# code; the log lists every sync it made); ddtreev1: the V1 runner fallback
+# code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreefused:
+# DDTREE_TREE_KERNELS=fused (the Triton tree build, walk and KV compaction). Budgets above
+# MAX_V2_BUDGET run in-process with the limit lifted and max_model_len 4 x budget: the case that
+# decides whether the limit can go.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
@@ -99,6 +105,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     target, drafter = _models(kind, out)
     spec = None
     extra = {}
+    max_model_len = 1024
     if method == "dflash":
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
     elif method != "nospec":
@@ -110,14 +117,22 @@ def run_case(name: str, out: Path, dtype: str) -> None:
             extra["attention_backend"] = "TRITON_ATTN"
         if method.startswith("ddtreev1_"):
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if method.startswith("ddtreefused_"):
+            os.environ["DDTREE_TREE_KERNELS"] = "fused"
         budget = int(method.split("_")[-1])
+        from ddtree.vllm_plugin.v2 import prepare
+
+        if budget > prepare.MAX_V2_BUDGET:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the lifted limit must reach it
+            prepare.MAX_V2_BUDGET = budget
+            max_model_len = max(max_model_len, 4 * budget)
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),
         speculative_config=spec,
         dtype=dtype,
-        max_model_len=1024,
+        max_model_len=max_model_len,
         max_num_seqs=8,
         seed=0,
         kv_cache_memory_bytes=1 << 30,
