@@ -20,18 +20,28 @@ def process_logits(
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int | None = None,
     top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """float32 ``[n, V]`` logits of the distribution each row samples from (-inf outside it).
 
     ``logits [n, V]``; ``temperature`` ``[n]`` or a number (> 0 where rows are sampled; rows at
     0 are divided by 1: the caller takes their argmax); ``top_k`` ``[n]`` or a number (<= 0 or
-    >= V: off); ``top_p`` ``[n]`` or a number (>= 1: off). Top-k keeps every token tied with
-    the k-th; top-p keeps the smallest prefix of the sorted distribution whose mass reaches p,
-    the token that crosses p included.
+    >= V: off); ``top_p`` ``[n]`` or a number (>= 1: off); ``min_p`` ``[n]`` or a number (0:
+    off). vLLM's order: temperature, min-p (drop tokens whose probability is below min_p times
+    the row's largest), top-k, top-p. Top-k keeps every token tied with the k-th; top-p keeps
+    the smallest prefix of the sorted distribution whose mass reaches p, the token that
+    crosses p included.
     """
     rows, vocab = logits.shape
     temperature = _per_row(temperature, rows, logits.device, torch.float32)
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:
+        probs = scaled.softmax(-1)
+        floor = (
+            probs.amax(-1, keepdim=True)
+            * _per_row(min_p, rows, logits.device, torch.float32)[:, None]
+        )
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if top_k is None and top_p is None:
         return scaled
     ordered, order = scaled.sort(-1, descending=True)  # [n, V]

@@ -110,11 +110,18 @@ def _patch_request_validation() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
+    @wrap(SamplingParams, "_validate_spec_decode")
+    def _validate_spec_decode(original, self, speculative_config):
+        # vLLM refuses min_p and logit_bias for every speculative method; DDTree's own table
+        # (requests.py) says what each runner serves.
+        if options_of(speculative_config) is None:
+            original(self, speculative_config)
+
     @wrap(InputProcessor, "_validate_params")
     def _validate_params(original, self, params, *args, **kwargs):
         original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and options_of(self.speculative_config):
-            reason = requests.unsupported_request(params)
+            reason = requests.unsupported_request(params, self.use_v2_model_runner)
             if reason is not None:  # a ValueError here is a 400 in the OpenAI server
                 raise ValueError(reason)
 
@@ -135,6 +142,19 @@ def _patch_v1_runner() -> None:
             if cls is DFlashOrDDTreeProposer and options_of(vllm_config.speculative_config):
                 cls = ddtree_proposer
             return super().__new__(cls)
+
+    @wrap(gmr, "build_logitsprocs")
+    def build_logitsprocs(original, vllm_config, device, pin_memory, is_pooling_model, *args):
+        # Under speculative decoding vLLM builds only the min_tokens processor, but a DDTree
+        # engine's steps without a tree (a prefill's first token) sample with vLLM's sampler
+        # and must apply min_p and logit_bias too (the tree steps read the requests' params).
+        custom = args[0] if args else ()
+        if options_of(vllm_config.speculative_config) is None or is_pooling_model or custom:
+            return original(vllm_config, device, pin_memory, is_pooling_model, *args)
+        from vllm.v1.sample import logits_processor as lp
+
+        builtins = lp.BUILTIN_LOGITS_PROCESSORS
+        return lp.LogitsProcessors(ctor(vllm_config, device, pin_memory) for ctor in builtins)
 
     ddtree_proposer = propose.make_proposer_class(DFlashOrDDTreeProposer, _check_v1_settings)
     replace(gmr, "DFlashProposer", DFlashOrDDTreeProposer)

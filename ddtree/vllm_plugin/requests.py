@@ -1,52 +1,78 @@
-"""Per-request options the tree sampler does not apply yet: one table, one wording.
+"""Per-request options DDTree cannot serve on a runner: one table, one wording.
 
-The tree sampler applies temperature, top-k and top-p at every tree node. Anything else that
-changes the target's distribution or asks for more output is refused, never silently ignored:
-in the front end (``InputProcessor._validate_params``: ``LLM.generate`` raises ValueError, the
-OpenAI server answers 400 and keeps serving) and, as a guard, again in the runner.
+The V1 runner's tree sampler applies every option of the sampling distribution at each tree
+node with that node's own history (``v1/options.py``) and returns logprobs. The V2 runner's
+does temperature, top-k and top-p for now. What a runner cannot serve is refused, never
+silently ignored: in the front end (``InputProcessor._validate_params``: ``LLM.generate``
+raises ValueError, the OpenAI server answers 400 and keeps serving) and, as a guard, again in
+the runner.
 """
 
 from __future__ import annotations
 
-# option -> why it is refused (the message a client sees)
+_V1_HINT = " (the V1 model runner serves it: VLLM_USE_V2_MODEL_RUNNER=0)"
+
+# option -> why it is refused on every runner (the message a client sees)
 REFUSED = {
-    "logprobs": "logprobs are not returned with ddtree yet: drop 'logprobs'",
-    "presence_penalty": "presence_penalty is not supported with ddtree yet",
-    "frequency_penalty": "frequency_penalty is not supported with ddtree yet",
-    "repetition_penalty": "repetition_penalty is not supported with ddtree yet",
-    "min_p": "min_p is not supported with ddtree yet",
-    "min_tokens": "min_tokens is not supported with ddtree yet",
-    "logit_bias": "logit_bias is not supported with ddtree yet",
-    "allowed_token_ids": "allowed_token_ids is not supported with ddtree yet",
-    "bad_words": "bad_words is not supported with ddtree yet",
-    "structured_outputs": "structured output (guided decoding) is not supported with ddtree yet",
+    "structured_outputs": (
+        "structured output (guided decoding, JSON schema, tool calls with a schema) is not "
+        "supported with ddtree yet: each tree node needs its own grammar state"
+    ),
+    "logprob_token_ids": "logprob_token_ids (generative scoring) is not supported with ddtree",
+    "thinking_token_budget": "thinking_token_budget is not supported with ddtree yet",
+}
+# option -> why the V2 runner refuses it (the V1 runner serves these)
+REFUSED_V2 = {
+    "logprobs": "logprobs are not returned with ddtree on the V2 model runner yet",
+    "presence_penalty": "presence_penalty is not supported with ddtree on the V2 model runner yet",
+    "frequency_penalty": (
+        "frequency_penalty is not supported with ddtree on the V2 model runner yet"
+    ),
+    "repetition_penalty": (
+        "repetition_penalty is not supported with ddtree on the V2 model runner yet"
+    ),
+    "min_p": "min_p is not supported with ddtree on the V2 model runner yet",
+    "min_tokens": "min_tokens is not supported with ddtree on the V2 model runner yet",
+    "logit_bias": "logit_bias is not supported with ddtree on the V2 model runner yet",
+    "allowed_token_ids": (
+        "allowed_token_ids is not supported with ddtree on the V2 model runner yet"
+    ),
+    "bad_words": "bad_words is not supported with ddtree on the V2 model runner yet",
 }
 # Values that leave the distribution as it is (absent from the table: None / empty / 0).
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+_SET_EVEN_IF_ZERO = ("logprobs", "structured_outputs", "thinking_token_budget")
 
 
-def unsupported_request(params) -> str | None:
-    """Why a request's ``SamplingParams`` cannot be served by the tree sampler (None: they
-    can)."""
-    for name, reason in REFUSED.items():
-        value = getattr(params, name, None)
-        if name in _NEUTRAL:
-            if value is not None and value != _NEUTRAL[name]:
-                return f"{reason} (got {name}={value})"
-        elif name in ("logprobs", "structured_outputs"):  # 0 logprobs is still a request
-            if value is not None:
-                return reason
-        elif value:
-            return reason
+def _is_set(params, name: str) -> bool:
+    value = getattr(params, name, None)
+    if name in _NEUTRAL:
+        return value is not None and value != _NEUTRAL[name]
+    if name in _SET_EVEN_IF_ZERO:  # 0 logprobs is still a request
+        return value is not None
+    return bool(value)
+
+
+def unsupported_request(params, v2_runner: bool) -> str | None:
+    """Why a request's ``SamplingParams`` cannot be served by the tree sampler of the given
+    runner (None: they can)."""
+    tables = [(REFUSED, "")]
+    if v2_runner:
+        tables.append((REFUSED_V2, _V1_HINT))
+    for table, hint in tables:
+        for name, reason in table.items():
+            if _is_set(params, name):
+                value = getattr(params, name)
+                shown = f" (got {name}={value})" if name in _NEUTRAL else ""
+                return reason + shown + hint
     return None
 
 
 def refuse_unsupported_batch(sampling_metadata) -> None:
-    """The runner's guard over V1's batched sampling metadata (the front end refused these
+    """The V1 runner's guard over its batched sampling metadata (the front end refused these
     already; reaching here means a path around it)."""
-    if sampling_metadata.max_num_logprobs is not None:
-        raise NotImplementedError(REFUSED["logprobs"])
-    if not sampling_metadata.no_penalties:
-        raise NotImplementedError(REFUSED["presence_penalty"] + " (nor other penalties)")
-    if sampling_metadata.bad_words_token_ids:
-        raise NotImplementedError(REFUSED["bad_words"])
+    if sampling_metadata.logprob_token_ids:
+        raise NotImplementedError(REFUSED["logprob_token_ids"])
+    holder = sampling_metadata.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        raise NotImplementedError(REFUSED["thinking_token_budget"])

@@ -1,0 +1,139 @@
+"""Request options through DDTree (CPU build, V1 runner): each tree node is processed with its
+own history, so greedy output equals no-spec's token for token (float32), logprobs come back
+as no-spec returns them, and T=1 samples follow no-spec's distribution.
+
+One no-spec and one DDTree engine serve every case (module fixtures).
+"""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from engines import (  # noqa: E402
+    PROMPTS,
+    assert_same_distribution,
+    ddtree_spec,
+    engine,
+    token_counts,
+)
+
+pytestmark = pytest.mark.slow
+VOCAB = 8192
+NEWLINE = 202
+
+
+# (prompt, options): one option per request (a few together), each strong enough to change
+# the answer; penalties and bad words read the tokens on each node's path.
+CASES = [
+    (0, dict(presence_penalty=1.5)),
+    (1, dict(frequency_penalty=1.0, repetition_penalty=1.4)),
+    (2, dict(repetition_penalty=0.7)),  # < 1 favours repeats
+    (3, dict(min_tokens=24, stop_token_ids=[NEWLINE])),
+    (0, dict(logit_bias={297: 4.0, NEWLINE: -100.0})),
+    (1, dict(allowed_token_ids=list(range(100, 4000)))),
+    (1, dict(bad_words=["self._file"])),  # several tokens, in the plain answer
+    (2, dict(logprobs=3, presence_penalty=0.5)),
+    (3, dict(logprobs=0)),
+]
+
+
+def _generate(llm, cases, max_tokens: int = 32):
+    params = [
+        vllm.SamplingParams(temperature=0, max_tokens=max_tokens, **options) for _, options in cases
+    ]
+    out = []
+    for o in llm.generate([PROMPTS[i] for i, _ in cases], params):
+        c = o.outputs[0]
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = [
+                {t: (round(lp.logprob, 3), lp.rank) for t, lp in position.items()}
+                for position in c.logprobs
+            ]
+        out.append((list(c.token_ids), c.finish_reason, logprobs))
+    return out
+
+
+def _counts(llm, **sampling) -> list[int]:
+    return token_counts(llm, PROMPTS[0], 2, 240, VOCAB, temperature=1.0, **sampling)
+
+
+DISTRIBUTIONS = {
+    "min_p": dict(min_p=0.05),
+    "presence_penalty": dict(presence_penalty=1.0, top_p=0.95),
+    "top_k_top_p": dict(top_k=20, top_p=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """(no-spec, DDTree B=15): greedy outputs with options, unoptioned outputs, T=1 counts."""
+    results = []
+    for spec in (None, ddtree_spec(15)):
+        with engine(spec=spec, disable_log_stats=False) as llm:
+            plain = _generate(llm, [(i, {}) for i, _ in CASES])
+            optioned = _generate(llm, CASES)
+            counts = {name: _counts(llm, **kw) for name, kw in DISTRIBUTIONS.items()}
+            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        results.append((plain, optioned, counts, metrics))
+    return results
+
+
+def test_options_change_the_answer(runs):
+    """The control: every option bites in no-spec (so equality below says something)."""
+    (plain, optioned, _, _), _ = runs
+    for (_, case), a, b in zip(CASES, plain, optioned, strict=True):
+        if list(case) != ["logprobs"]:
+            assert a[0] != b[0], case
+
+
+def test_greedy_with_options_equals_no_spec(runs):
+    (_, want, _, _), (_, got, _, metrics) = runs
+    for (_, case), a, b in zip(CASES, want, got, strict=True):
+        assert b[:2] == a[:2], case
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert accepted > 0  # trees were verified and accepted, not only root steps
+
+
+def test_logprobs_like_no_spec(runs):
+    """Same tokens, ranks and top-k sets at every position; values within float32 noise (the
+    tree's attention sums in another order than a decode step's)."""
+    (_, want, _, _), (_, got, _, _) = runs
+    for (_, case), a, b in zip(CASES, want, got, strict=True):
+        if "logprobs" not in case:
+            assert a[2] is None and b[2] is None
+            continue
+        assert len(a[2]) == len(b[2]) == len(a[0])
+        for position_a, position_b in zip(a[2], b[2], strict=True):
+            assert position_a.keys() == position_b.keys()
+            assert len(position_a) == 1 + case["logprobs"] or len(position_a) == case["logprobs"]
+            for token, (value, rank) in position_a.items():
+                assert position_b[token][1] == rank
+                assert abs(position_b[token][0] - value) <= 2e-3
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+def test_sampling_with_options_follows_no_spec(runs, name):
+    """Generated token 2 over 240 seeded requests, chi-square homogeneity with no-spec."""
+    (_, _, want, _), (_, _, got, _) = runs
+    assert_same_distribution(got[name], want[name])
+
+
+def test_first_token_options_and_refusals():
+    """A DDTree engine samples a prefill's first token with vLLM's own sampler: logit_bias and
+    min_p must reach it too (vLLM builds neither processor under speculative decoding).
+    Structured output is refused by name, and the engine serves on after it."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with engine(spec=ddtree_spec(15)) as llm:
+        params = vllm.SamplingParams(
+            temperature=1.0, min_p=0.5, logit_bias={297: 100.0}, max_tokens=1, seed=0
+        )
+        outs = llm.generate(PROMPTS, params)
+        refused = vllm.SamplingParams(
+            max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"])
+        )
+        with pytest.raises(ValueError, match="structured output"):
+            llm.generate(PROMPTS[:1], refused)
+        again = llm.generate(PROMPTS, params)
+    assert [list(o.outputs[0].token_ids) for o in outs + again] == [[297]] * 2 * len(PROMPTS)
