@@ -35,6 +35,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "random_ddtree_15",
     "random_ddtree_64",
     "random_ddtreefused_64",
+    "pairopts_nospec",
+    "pairopts_ddtree_64",
 ]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
@@ -45,12 +47,24 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # MAX_V2_BUDGET run in-process with the limit lifted and max_model_len 4 x budget: the case that
 # decides whether the limit can go.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
+# pairopts: the pair with per-request options the V2 runner serves (one set per request),
+# compared with no-spec under the same options, logprobs included.
+OPTIONS = [
+    dict(logit_bias={297: 4.0}),
+    dict(min_tokens=90),
+    dict(logit_bias={202: -100.0}, min_tokens=30),
+    dict(allowed_token_ids=list(range(100, 4000))),
+    dict(logprobs=3),
+    dict(logprobs=0, min_p=0.3),
+    {},
+    dict(logprobs=5, logit_bias={11: 2.0}),
+]
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 
 
 def _models(kind: str, out: Path) -> tuple[Path, Path]:
-    if kind == "pair":
+    if kind.startswith("pair"):
         return ROOT / "models" / "target", ROOT / "models" / "drafter"
     return out / "random_target", out / "random_drafter"
 
@@ -84,7 +98,7 @@ def make_random_pair(out: Path) -> None:
 
 
 def _prompts(kind: str, target: Path) -> list[list[int]]:
-    if kind == "pair":
+    if kind.startswith("pair"):
         from transformers import AutoTokenizer
 
         from ddtree.bench.tau import held_out_prompts
@@ -102,6 +116,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     from vllm.inputs import TokensPrompt
 
     kind, method = name.split("_", 1)
+    pair = kind.startswith("pair")
     target, drafter = _models(kind, out)
     spec = None
     extra = {}
@@ -137,19 +152,25 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         seed=0,
         kv_cache_memory_bytes=1 << 30,
         gpu_memory_utilization=0.05,
-        skip_tokenizer_init=kind == "random",
+        skip_tokenizer_init=not pair,
         disable_log_stats=False,
         **extra,
     )
     started = time.time() - t0
     prompts = _prompts(kind, target)
-    stop = [[], [], [202 if kind == "pair" else 7], [], [], [], [10], []]  # 202: newline
-    logprobs = 2 if spec is None else None  # no-spec: top-2 margins, to judge any divergence
+    stop = [[], [], [202 if pair else 7], [], [], [], [10], []]  # 202: newline
+    # no-spec: top-2 margins, to judge any divergence (pairopts: the options' logprobs only)
+    logprobs = 2 if spec is None and kind != "pairopts" else None
+    options = OPTIONS if kind == "pairopts" else [{}] * len(MAX_TOKENS)
     params = [
         vllm.SamplingParams(
-            temperature=0, max_tokens=m, stop_token_ids=s, detokenize=False, logprobs=logprobs
+            temperature=0,
+            max_tokens=m,
+            stop_token_ids=s,
+            detokenize=False,
+            **{"logprobs": logprobs, **o},
         )
-        for m, s in zip(MAX_TOKENS, stop, strict=True)
+        for m, s, o in zip(MAX_TOKENS, stop, options, strict=True)
     ]
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
@@ -174,6 +195,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         "case": name,
         "outputs": [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
         "top2_margins": [_margins(o.outputs[0].logprobs) for o in outs] if spec is None else None,
+        "logprobs": [_logprobs(o.outputs[0].logprobs) for o in outs],
         "sampled_lengths": [len(o.outputs[0].token_ids) for o in sampled],
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "v2_model_runner": config.use_v2_model_runner,
@@ -194,6 +216,26 @@ def _margins(logprobs) -> list[float] | None:
         values = sorted((lp.logprob for lp in position.values()), reverse=True)
         out.append(round(values[0] - values[1], 4) if len(values) > 1 else None)
     return out
+
+
+def _logprobs(logprobs) -> list[dict[str, float]] | None:
+    """Per generated position: token -> logprob of what vLLM returned (sampled + top-k)."""
+    if not logprobs:
+        return None
+    return [{str(t): lp.logprob for t, lp in position.items()} for position in logprobs]
+
+
+def _logprob_gap(a: list | None, b: list | None, equal_until: int) -> float | None:
+    """Largest |logprob difference| over the positions both returned before the outputs part
+    (inf if the returned token sets differ there); None when neither asked for logprobs."""
+    if a is None or b is None:
+        return None if a is None and b is None else float("inf")
+    gap = 0.0
+    for x, y in list(zip(a, b, strict=False))[:equal_until]:
+        if x.keys() != y.keys():
+            return float("inf")
+        gap = max(gap, max(abs(x[t] - y[t]) for t in x))
+    return round(gap, 5)
 
 
 def _divergence(a: list[int], b: list[int]) -> int | None:
@@ -249,6 +291,14 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
             row["requests_equal"] = sum(a == b for a, b in pairs)
             row["tokens"] = sum(len(a[0]) for a, _ in pairs)
             row["first_divergence"] = [_divergence(a[0], b[0]) for a, b in pairs]
+            if kind == "pairopts":  # both asked for the same logprobs
+                row["logprob_gap"] = [
+                    _logprob_gap(x, y, len(a[0]) if d is None else d)
+                    for x, y, a, d in zip(
+                        base["logprobs"], got["logprobs"], base["outputs"],
+                        row["first_divergence"], strict=True,
+                    )
+                ]  # fmt: skip
             margins = base.get("top2_margins") or [None] * len(pairs)
             row["nospec_margin_at_divergence"] = [
                 None if d is None or m is None or d >= len(m) else m[d]

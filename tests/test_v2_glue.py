@@ -88,8 +88,9 @@ def check(kernels: str) -> None:
     logit_target = torch.cat([targets[0], torch.tensor([7]), targets[1, :7]])
     logits = torch.nn.functional.one_hot(logit_target, VOCAB).float()
     fake_sampler = SimpleNamespace(
-        sample=lambda logits, *args: (logits.argmax(-1), logits),
+        sample=lambda logits, *args, **kwargs: (logits.argmax(-1), logits),
         req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.tensor([6] * 8))),
+        returns_logprobs=lambda idx_mapping_np: False,  # path_rows is checked below
     )
     seq_lens = torch.tensor(
         [c + n for c, n in zip(contexts, counts, strict=True)], dtype=torch.int32
@@ -111,11 +112,13 @@ def check(kernels: str) -> None:
         expanded_local_pos=None,
         num_reqs=num_reqs,
         cu_num_logits=cu_logits,
+        cu_num_logits_np=cu_logits.numpy(),
         seq_lens=seq_lens,
         idx_mapping=idx_mapping,
         query_start_loc=qsl,
     )
-    out = TreeSampler(engine, fake_sampler, BUDGET)(logits, batch)
+    sampler = TreeSampler(engine, fake_sampler, BUDGET)
+    out = sampler(logits, batch)
 
     from ddtree.vllm_plugin.state import gather_tree
 
@@ -139,6 +142,19 @@ def check(kernels: str) -> None:
             got = kv_cache[dst // BLOCK, :, dst % BLOCK]
             assert torch.equal(got, before[src // BLOCK, :, src % BLOCK]), (row, k)
     assert accepted[0] >= 1 and engine.walked
+
+    # Logprobs as vLLM's rejection sampler lays them out: request r's j-th output at row
+    # cu[r] + j, read at its accepted path's j-th node (one-hot logits: the sampled token is
+    # the row's argmax there).
+    rows, tokens, cu = sampler.path_rows(batch, out.sampled_token_ids)
+    assert cu == cu_logits.tolist() and rows.shape == tokens.shape == (int(cu_logits[-1]),)
+    for r, n in enumerate(out.num_sampled.tolist()):
+        for j in range(n):
+            i = int(cu_logits[r]) + j
+            assert tokens[i] == out.sampled_token_ids[r, j], (r, j)
+            assert logits[rows[i]].argmax() == tokens[i], (r, j)
+    path_rows = [int(p) for p in walks[0].path[0, : accepted[0] + 1]]
+    assert rows[: accepted[0] + 1].tolist() == path_rows
 
     # The drafter's view: accepted path first, sequential positions again.
     hidden = torch.arange(64, dtype=torch.float32)[:, None].repeat(1, 3)

@@ -2,7 +2,11 @@
 
 The V1 runner's tree sampler applies every option of the sampling distribution at each tree
 node with that node's own history (``v1/options.py``) and returns logprobs. The V2 runner's
-does temperature, top-k and top-p for now. What a runner cannot serve is refused, never
+uses vLLM's V2 sampler, whose per-row options (temperature, top-k, top-p, min_p, logit_bias,
+allowed_token_ids, min_tokens) read each row's position, a node's depth position, and so
+hold at tree nodes; its penalties and bad words count the drafts before a row in chain
+order, not a node's ancestors, so those are refused there. What a runner cannot serve is
+refused, never
 silently ignored: in the front end (``InputProcessor._validate_params``: ``LLM.generate``
 raises ValueError, the OpenAI server answers 400 and keeps serving) and, as a guard, again in
 the runner.
@@ -23,19 +27,12 @@ REFUSED = {
 }
 # option -> why the V2 runner refuses it (the V1 runner serves these)
 REFUSED_V2 = {
-    "logprobs": "logprobs are not returned with ddtree on the V2 model runner yet",
     "presence_penalty": "presence_penalty is not supported with ddtree on the V2 model runner yet",
     "frequency_penalty": (
         "frequency_penalty is not supported with ddtree on the V2 model runner yet"
     ),
     "repetition_penalty": (
         "repetition_penalty is not supported with ddtree on the V2 model runner yet"
-    ),
-    "min_p": "min_p is not supported with ddtree on the V2 model runner yet",
-    "min_tokens": "min_tokens is not supported with ddtree on the V2 model runner yet",
-    "logit_bias": "logit_bias is not supported with ddtree on the V2 model runner yet",
-    "allowed_token_ids": (
-        "allowed_token_ids is not supported with ddtree on the V2 model runner yet"
     ),
     "bad_words": "bad_words is not supported with ddtree on the V2 model runner yet",
 }

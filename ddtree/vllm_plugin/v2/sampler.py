@@ -33,13 +33,15 @@ class TreeSampler:
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
         rows = input_batch.logits_indices
-        target, _ = self.sampler.sample(
+        return_logprobs = self.sampler.returns_logprobs(input_batch.idx_mapping_np)
+        target, processed = self.sampler.sample(
             logits,
             input_batch.expanded_idx_mapping,
             input_batch.idx_mapping_np,
             input_batch.positions[rows],
             input_batch.input_ids[rows],
             input_batch.expanded_local_pos,
+            return_logprobs=return_logprobs,
         )
         num_reqs = input_batch.num_reqs
         pad = graphs.bucket(num_reqs) - num_reqs  # requests padded to a bucket: shapes repeat
@@ -57,13 +59,56 @@ class TreeSampler:
         inputs = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in inputs]
         sampled, num_sampled, num_rejected = self.tail(*inputs, active)
         self.engine.walked = True
+        logprobs = None
+        if return_logprobs:
+            mode = self.sampler.logprobs_mode
+            source = processed if mode.startswith("processed") else logits
+            logprobs = self._path_logprobs(source, input_batch, sampled[:num_reqs])
         return SamplerOutput(  # copies: the graph's outputs are rewritten by its next replay
             sampled_token_ids=sampled[:num_reqs].clone(),
-            logprobs_tensors=None,
+            logprobs_tensors=logprobs,
             num_nans=None,
             num_sampled=num_sampled[:num_reqs].clone(),
             num_rejected=num_rejected[:num_reqs].clone(),
         )
+
+    def _path_logprobs(self, source: torch.Tensor, input_batch, sampled: torch.Tensor):
+        """vLLM's logprobs of the sampled tokens (``sampled [R, B + 1]``, -1 padded), laid out
+        as its rejection sampler lays them out. Runs only when a request asks for logprobs."""
+        from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+        rows, tokens, cu = self.path_rows(input_batch, sampled)
+        max_num_logprobs = self.sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
+        return compute_topk_scores(
+            source.index_select(0, rows),
+            max(max_num_logprobs, 0),
+            tokens,
+            cu,
+            logits_mode=self.sampler.logprobs_mode in ("raw_logits", "processed_logits"),
+        )
+
+    def path_rows(self, input_batch, sampled: torch.Tensor):
+        """Request r's j-th output goes to row ``cu_num_logits[r] + j``; read there the
+        logits row of the j-th node of its accepted path, and the token sampled there.
+        Returns (logits rows ``[num_logits]``, tokens ``[num_logits]``, the offsets as a list
+        when requests have several rows, else None). Host index arithmetic: this path runs
+        only for logprobs requests."""
+        import numpy as np
+
+        cu_np = input_batch.cu_num_logits_np[: input_batch.num_reqs + 1]
+        counts = np.diff(cu_np)
+        request = np.repeat(np.arange(len(counts)), counts)  # [num_logits]
+        local = np.arange(int(cu_np[-1])) - cu_np[request]
+        request_d, local_d, first_d = (
+            torch.from_numpy(np.asarray(a, dtype=np.int64)).to(sampled.device, non_blocking=True)
+            for a in (request, local, cu_np[request])
+        )
+        path = self.engine.tables.path[: len(counts)]  # [R, D + 1] slots, -1 past the path
+        slot = path[request_d, local_d.clamp(max=path.shape[1] - 1)]
+        slot = torch.where((local_d < path.shape[1]) & (slot >= 0), slot, local_d)
+        tokens = sampled[request_d, local_d.clamp(max=sampled.shape[1] - 1)].clamp(min=0)
+        expanded = len(request) != len(counts)
+        return first_d + slot, tokens, cu_np.tolist() if expanded else None
 
     def _tail(self, target, num_logits, chunk, start, active):
         """``target [R, Q]`` (the target's token per tree slot), ``num_logits [R]``, ``chunk
