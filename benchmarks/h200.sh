@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
 #   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~6 min)
-#   bash benchmarks/h200.sh smoke    # GPU tests + a few equality engines (~3 min)
+#   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
-#   bash benchmarks/h200.sh fused    # DDTREE_TREE_KERNELS=fused: kernel tests, timings, bench (~8 min)
+#   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~5 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -26,8 +26,7 @@ equality() {  # $1: seconds, $2: cases (default: all)
 }
 case "$1" in
 smoke)
-  gpu_tests 240
-  equality 330 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtreetriton_64,pair_ddtree_255,random_nospec,random_ddtree_15
+  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pairopts_nospec,pairopts_ddtree_64,random_nospec,random_ddtree_15
   ;;
 check)
   gpu_tests 300
@@ -60,27 +59,15 @@ tree)
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
   ;;
-fused)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1
-  tail -2 "$OUT/kernels.txt"
-  timeout 120 python3 benchmarks/tree.py --device cuda --impl both --vocabs 151936 \
-    --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
-  tail -12 "$OUT/tree.txt"
-  DDTREE_TREE_KERNELS=fused timeout 200 python3 -m ddtree.cli bench --methods dflash,ddtree \
-    --budgets 15,63,255 --concurrency 1,16 --temperatures 0 --max-tokens 128 \
-    --title "bundled pair, H200, DDTREE_TREE_KERNELS=fused" --out /tmp/bench_pair \
-    > "$OUT/bench_pair.txt" 2>&1
+pair)
+  timeout 400 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
+    --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
+    --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
-  tail -14 "$OUT/bench_pair.txt"
-  DDTREE_TREE_KERNELS=fused timeout 150 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
-    --methods dflash,ddtree --budgets 15,63 --concurrency 1,8 --temperatures 0 --max-tokens 64 \
-    --kv-cache-gib 2 --title "Qwen3-8B shapes (dummy weights), H200, fused" --out /tmp/bench_8b \
-    > "$OUT/bench_8b.txt" 2>&1
-  tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
-  tail -10 "$OUT/bench_8b.txt"
+  tail -30 "$OUT/bench_pair.txt"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|bench|profile|tree|fused" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|bench|pair|profile|tree" >&2
   exit 2
   ;;
 esac

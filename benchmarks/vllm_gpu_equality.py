@@ -23,18 +23,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGETS = (1, 15, 64, 255, 511)
+BUDGETS = (1, 15, 64, 255, 511, 1023)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
     "pair_ddtreetriton_64",
-    "pair_ddtreefused_64",
-    "pair_ddtreefused_255",
+    "pair_ddtreetorch_64",
     "pair_ddtreesync_64",
     "pair_ddtreev1_64",
     "random_nospec",
     "random_dflash",
     "random_ddtree_15",
     "random_ddtree_64",
-    "random_ddtreefused_64",
+    "random_ddtreetorch_64",
     "pairopts_nospec",
     "pairopts_ddtree_64",
 ]
@@ -42,10 +41,9 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
 # ddtreetriton: with attention_backend TRITON_ATTN (the backend of GPUs without FA3);
 # ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
-# code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreefused:
-# DDTREE_TREE_KERNELS=fused (the Triton tree build, walk and KV compaction). Budgets above
-# MAX_V2_BUDGET run in-process with the limit lifted and max_model_len 4 x budget: the case that
-# decides whether the limit can go.
+# code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreetorch:
+# DDTREE_TREE_KERNELS=torch (the tree build, walk and KV compaction in torch ops instead of the
+# default Triton kernels). max_model_len is 1024, or 4 x the budget where that is more.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
 # pairopts: the pair with per-request options the V2 runner serves (one set per request),
 # compared with no-spec under the same options, logprobs included.
@@ -132,15 +130,10 @@ def run_case(name: str, out: Path, dtype: str) -> None:
             extra["attention_backend"] = "TRITON_ATTN"
         if method.startswith("ddtreev1_"):
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        if method.startswith("ddtreefused_"):
-            os.environ["DDTREE_TREE_KERNELS"] = "fused"
+        if method.startswith("ddtreetorch_"):
+            os.environ["DDTREE_TREE_KERNELS"] = "torch"
         budget = int(method.split("_")[-1])
-        from ddtree.vllm_plugin.v2 import prepare
-
-        if budget > prepare.MAX_V2_BUDGET:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the lifted limit must reach it
-            prepare.MAX_V2_BUDGET = budget
-            max_model_len = max(max_model_len, 4 * budget)
+        max_model_len = max(max_model_len, 4 * budget)  # V2 needs >= 2B + 3 (warm-up)
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
     t0 = time.time()
     llm = vllm.LLM(

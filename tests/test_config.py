@@ -223,7 +223,7 @@ def test_cuda_settings_defaults(monkeypatch):
 @pytest.mark.parametrize(
     "budget, mode, max_model_len, message",
     [
-        (511, "FULL_AND_PIECEWISE", 2048, "budgets above 255 gave wrong tokens"),
+        (511, "FULL_AND_PIECEWISE", 1024, "needs max_model_len >= 1025"),
         (64, "FULL", 2048, "not FULL: a full graph of a mixed batch"),
         (255, "FULL_AND_PIECEWISE", 512, "needs max_model_len >= 513"),
     ],
@@ -253,9 +253,9 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     with pytest.raises((ValueError, NotImplementedError), match=message):
         check_settings(config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    config.model_config.max_model_len = 513
-    config.speculative_config.ddtree = DDTreeOptions(255)
-    check_settings(config)  # what the suite verified passes
+    config.model_config.max_model_len = 1025
+    config.speculative_config.ddtree = DDTreeOptions(511)
+    check_settings(config)  # what the H200 suite verified passes
 
 
 def test_request_options_refused_per_runner():

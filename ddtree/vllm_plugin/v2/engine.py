@@ -179,7 +179,7 @@ class TreeEngine:
             slots = self.slot_mappings[group]
             src = torch.where(live.flatten(), slots[src_rows], 0)
             dst = torch.where(live.flatten(), slots[dst_rows], 0)
-            if self.settings.tree_kernels == "fused":  # one launch for the group's layers
+            if self.settings.fused_tree_kernels:  # one launch for the group's layers
                 from ddtree.kernels import compact_kv
 
                 compact_kv(self.fused_layers()[group], src.view(live.shape), dst.view(live.shape))

@@ -7,14 +7,6 @@ from ddtree.vllm_plugin import config, graphs
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
-# Budgets verified token-for-token on the V2 runner (H200 equality suite, B = 1, 15, 64, 255).
-# At B=511 (max_model_len 1024) every request parted from no-spec from its first token: most
-# likely vLLM's start-up warm-up (v1/worker/gpu/warmup.py: warmup_kernels), whose requests are
-# 2B + 3 tokens long, ran past max_model_len and wrote K/V through a block-table row's end,
-# before any request (the check below now refuses that). Until B=511 is verified with a long
-# enough max_model_len, larger budgets are refused rather than risked.
-MAX_V2_BUDGET = 255
-
 
 def check_settings(vllm_config) -> None:
     """Refuse engine settings the V2 tree path is not built for, naming the setting."""
@@ -39,18 +31,13 @@ def check_settings(vllm_config) -> None:
             "attention for prefill rows"
         )
     budget = config.options_of(vllm_config.speculative_config).budget
-    if budget > MAX_V2_BUDGET:
-        raise NotImplementedError(
-            f"ddtree_budget {budget} on the V2 model runner: budgets above {MAX_V2_BUDGET} "
-            "gave wrong tokens in the H200 equality suite and are refused until fixed; use "
-            f"ddtree_budget <= {MAX_V2_BUDGET} (or VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
     max_model_len = vllm_config.model_config.max_model_len
     if 2 * budget + 3 > max_model_len:
         raise ValueError(
             f"ddtree_budget {budget} needs max_model_len >= {2 * budget + 3} on the V2 model "
             f"runner (got {max_model_len}): vLLM's start-up warm-up runs requests of 2 x budget "
-            "+ 3 tokens; lower ddtree_budget or raise max_model_len"
+            "+ 3 tokens, and past max_model_len they write K/V outside their block table (the "
+            "wrong tokens once seen at B=511); lower ddtree_budget or raise max_model_len"
         )
     if config.SETTINGS.tree_attention == "merge":
         raise ValueError("DDTREE_TREE_ATTENTION=merge runs on the V1 model runner only")

@@ -117,7 +117,7 @@ class TreeSampler:
         stored and their K/V committed."""
         engine = self.engine
         trees = engine.tables.batch_trees(active, num_logits)
-        if engine.settings.tree_kernels == "fused":
+        if engine.settings.fused_tree_kernels:
             from ddtree.kernels import walk_fused
 
             acceptance = walk_fused(trees, target)

@@ -80,7 +80,7 @@ def make_speculator_class(base):
             """Trees of ``logits [R, D, V]``: torch ops, or ``ddtree.kernels`` (six launches)
             with outputs preallocated per batch size (before the graph that replays them)."""
             options = self.engine.options
-            if self.engine.settings.tree_kernels == "fused":
+            if self.engine.settings.fused_tree_kernels:
                 from ddtree.kernels import build_tree_fused, tree_buffers
 
                 num_reqs, depth, vocab = logits.shape
