@@ -58,6 +58,14 @@ def _counts(llm, **sampling) -> list[int]:
     return token_counts(llm, PROMPTS[0], 2, 240, VOCAB, temperature=1.0, **sampling)
 
 
+def _prompt_logprobs(llm) -> list[list[dict[int, float]]]:
+    params = vllm.SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2)
+    return [
+        [{t: lp.logprob for t, lp in position.items()} for position in o.prompt_logprobs[1:]]
+        for o in llm.generate(PROMPTS, params)
+    ]
+
+
 DISTRIBUTIONS = {
     "min_p": dict(min_p=0.05),
     "presence_penalty": dict(presence_penalty=1.0, top_p=0.95),
@@ -74,6 +82,7 @@ def runs():
             plain = _generate(llm, [(i, {}) for i, _ in CASES])
             optioned = _generate(llm, CASES)
             counts = {name: _counts(llm, **kw) for name, kw in DISTRIBUTIONS.items()}
+            counts["prompt_logprobs"] = _prompt_logprobs(llm)
             metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         results.append((plain, optioned, counts, metrics))
     return results
@@ -110,6 +119,17 @@ def test_logprobs_like_no_spec(runs):
             for token, (value, rank) in position_a.items():
                 assert position_b[token][1] == rank
                 assert abs(position_b[token][0] - value) <= 2e-3
+
+
+def test_prompt_logprobs_like_no_spec(runs):
+    """prompt_logprobs come from the prefill (no tree in it): same tokens, same values."""
+    (_, _, want, _), (_, _, got, _) = runs
+    assert sum(len(a) for a in got["prompt_logprobs"]) > 10
+    for a, b in zip(want["prompt_logprobs"], got["prompt_logprobs"], strict=True):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) <= 1e-4 for t in x)
 
 
 @pytest.mark.parametrize("name", DISTRIBUTIONS)
