@@ -51,7 +51,7 @@ OPTIONS = [
     dict(logit_bias={297: 4.0}),
     dict(min_tokens=90),
     dict(logit_bias={202: -100.0}, min_tokens=30),
-    dict(allowed_token_ids=list(range(100, 4000))),
+    dict(allowed_token_ids=list(range(100, 1100))),  # vLLM's V2 sampler takes <= 1024
     dict(logprobs=3),
     dict(logprobs=0, min_p=0.3),
     {},
