@@ -105,6 +105,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
             tree_build._tree_kernel,
             {"lp_ptr": "*fp32", "ids_ptr": "*i64", "k": "i32", "budget": "i32", "depth": "i32",
              "list_score_ptr": "*fp32", "list_parent_ptr": "*i32", "list_rank_ptr": "*i32",
+             "list_slot_ptr": "*i32",
              "tokens_ptr": "*i64", "parents_ptr": "*i64", "depths_ptr": "*i64",
              "scores_ptr": "*fp32", "num_nodes_ptr": "*i64"},
             {"CHAIN": chain, "BP": beam, "LOG2_BP": beam.bit_length() - 1, "KP": next_pow2(k),

@@ -95,9 +95,15 @@ def build_tree_reference(
         if d < depth:  # first child
             heapq.heappush(heap, child(ranks, score, key, 0))
 
-    # Slots: depth first, then the within-depth order, so a parent precedes its children.
+    # Slots in the global order (score desc, depth, within-depth order), the forced chain
+    # first: a parent precedes its children.
+    forced = set(list(chosen)[:num_forced])
+
+    def slot_order(r: tuple[int, ...]) -> tuple:
+        return (r not in forced, -float(chosen[r][1]), len(r), chosen[r][0])
+
     slot_of: dict[tuple[int, ...], int] = {(): 0}
-    for ranks in sorted(chosen, key=lambda r: (len(r), chosen[r][0])):
+    for ranks in sorted(chosen, key=slot_order):
         slot_of[ranks] = len(tree.tokens)
         tree.tokens.append(token_ids[len(ranks) - 1][ranks[-1]])
         tree.parents.append(slot_of[ranks[:-1]])

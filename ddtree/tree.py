@@ -40,8 +40,11 @@ MAX_BUDGET = 1 << 14  # keeps D * budget well inside the key's index field
 class DraftTree:
     """A batch of draft trees, ``N = 1 + budget`` slots each, slot 0 the root.
 
-    Nodes are sorted by (depth, position in their depth), so a parent precedes its children.
-    Padding slots (only when fewer than ``budget`` prefixes exist) come last, with token -1,
+    Nodes are in the global order of the prefixes (score descending, then depth, then position
+    in their depth), with ``chain_seed``'s forced chain first: a parent precedes its children,
+    and the first ``1 + K`` slots of a budget-B tree are exactly its budget-K tree for every
+    K <= B (the best K prefixes are the best K of the best B), so a scheduler may verify any
+    prefix of the slots. Padding slots (only when fewer than ``budget`` prefixes exist) come last, with token -1,
     parent -1, depth 0, and a mask row holding only themselves.
     """
 
@@ -235,11 +238,10 @@ def tree_from_ranked(
     key = _logprob_key(flat_score, _INDEX_MASK - flat_index)
     if chain_seed:  # the argmax chain is position 0 of every beam
         key = torch.where(flat_index % budget == 0, key + _FORCED_KEY, key)
-    chosen = key.topk(budget, dim=-1).indices  # [b, B]
-    chosen_valid = flat_valid.gather(1, chosen)
-    # Slot order: valid nodes by flat index (depth, then position), padding last.
-    slot_key = torch.where(chosen_valid, chosen, chosen + depth * budget)
-    node_flat = chosen.gather(1, slot_key.argsort(dim=1))  # [b, B]
+    # Slot order = key order (topk sorts): forced chain, then score, depth, position; absent
+    # prefixes (-inf) last. Every prefix of it is a tree (a child scores <= its parent and
+    # sits deeper).
+    node_flat = key.topk(budget, dim=-1).indices  # [b, B]
     node_valid = flat_valid.gather(1, node_flat)  # [b, B]
 
     node_depth = node_flat // budget + 1  # [b, B]

@@ -71,7 +71,7 @@ def check_tree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int, chain_see
     buffers = kernels.tree_buffers(batch, depth, k, budget, logprobs.device, with_vocab_stage=False)
     tree = buffers.tree
     poison_(*(getattr(tree, name) for name in TREE_FIELDS), tree.ancestor_bits)
-    poison_(buffers.list_score, buffers.list_parent, buffers.list_rank)
+    poison_(buffers.list_score, buffers.list_parent, buffers.list_rank, buffers.list_slot)
     got = kernels.tree_from_ranked_fused(
         logprobs, ids, budget, chain_seed=chain_seed, buffers=buffers
     )

@@ -25,11 +25,25 @@ def test_matches_reference_heap(shape, kind, chain_seed, seed):
     for row in range(batch):
         ref = build_tree_reference(logits[row], budget, chain_seed=chain_seed)
         assert tree_paths(tree, row) == ref.paths()
-        # Same slot order too (depth, then the documented within-depth order).
+        # Same slot order too (forced chain, then score, depth, within-depth order).
         n = len(ref.tokens)
         assert tree.tokens[row, :n].tolist() == ref.tokens
         assert tree.parents[row, :n].tolist() == ref.parents
         assert tree.depths[row, :n].tolist() == ref.depths
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.sampled_from(KINDS), st.booleans(), st.integers(0, 2**31 - 1), st.data())
+def test_slot_prefix_is_the_smaller_budget_tree(shape, kind, chain_seed, seed, data):
+    """The first 1 + K slots of a budget-B tree are the budget-K tree (what a scheduler that
+    verifies only K of the B drafts gets), for any K <= B."""
+    batch, depth, vocab, budget = shape
+    logits = make_logits(kind, batch, depth, vocab, seed)
+    tree = ddtree.build_tree(logits, budget, chain_seed=chain_seed)
+    k = data.draw(st.integers(0, budget))
+    small = ddtree.build_tree(logits, k, chain_seed=chain_seed)
+    for name in ("tokens", "parents", "depths", "scores"):
+        assert torch.equal(getattr(tree, name)[:, : k + 1], getattr(small, name)), name
 
 
 @settings(max_examples=40, deadline=None)
@@ -67,8 +81,9 @@ def test_tree_invariants(shape, kind, chain_seed, seed):
                 while node >= 0:
                     expected_row[node] = True
                     node = parents[node]
-                # Slots are sorted by depth.
-                assert depths[i] >= depths[i - 1]
+                # Slots in score order, the forced chain first (only after it may a score rise).
+                if i != (min(depth, budget) if chain_seed else 0) + 1:
+                    assert scores[i] <= scores[i - 1]
             else:  # padding
                 assert tokens[i] == -1 and parents[i] == -1 and depths[i] == 0
                 expected_row[i] = True

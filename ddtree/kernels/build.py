@@ -55,6 +55,7 @@ class TreeBuffers:
     list_score: torch.Tensor  # float32 [b, D, BP]: per depth, the kept prefixes (sorted)
     list_parent: torch.Tensor  # int32 [b, D, BP]: their parent's position
     list_rank: torch.Tensor  # int32 [b, D, BP]: their token rank
+    list_slot: torch.Tensor  # int32 [b, D, BP]: the tree slot of each chosen one
 
 
 def tree_buffers(
@@ -91,6 +92,7 @@ def tree_buffers(
         list_score=empty(batch, depth, beam, dtype=torch.float32),
         list_parent=empty(batch, depth, beam, dtype=torch.int32),
         list_rank=empty(batch, depth, beam, dtype=torch.int32),
+        list_slot=empty(batch, depth, beam, dtype=torch.int32),
     )
 
 
@@ -128,7 +130,7 @@ def tree_from_ranked_fused(
     beam = sort_size(budget)
     _tree_kernel[(batch,)](
         logprobs, token_ids, k, budget, depth,
-        buffers.list_score, buffers.list_parent, buffers.list_rank,
+        buffers.list_score, buffers.list_parent, buffers.list_rank, buffers.list_slot,
         tree.tokens, tree.parents, tree.depths, tree.scores, tree.num_nodes,
         CHAIN=chain_seed, BP=beam, LOG2_BP=beam.bit_length() - 1, KP=next_pow2(k),
         LOG2_KP=next_pow2(k).bit_length() - 1, DP=next_pow2(depth), NP=next_pow2(budget + 1),

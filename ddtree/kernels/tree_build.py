@@ -23,7 +23,8 @@ the chunked sorting by ~20-30% on peaked drafts.
 Once no candidate reaches ``bound``, no deeper one can (scores only fall): the remaining depths
 hold only the argmax chain (for ``chain_seed``). ``top`` ends as the torch global top-``budget``;
 with ``chain_seed`` the chain (position 0 of the first min(D, budget) depths) plus the best
-``budget - min(D, budget)`` other prefixes of ``top``. Nodes are laid out by (depth, position).
+``budget - min(D, budget)`` other prefixes of ``top``. Nodes are laid out in that order (the
+chain first), so every prefix of the slots is the tree of a smaller budget.
 Typical cost: a few full-size depths (B=1024: a few sorts of 1024) and cheap ones after.
 """
 
@@ -140,7 +141,7 @@ def _next_list(score, lp, cnt, num, budget,
 @triton.jit
 def _tree_kernel(
     lp_ptr, ids_ptr, k, budget, depth,
-    list_score_ptr, list_parent_ptr, list_rank_ptr,
+    list_score_ptr, list_parent_ptr, list_rank_ptr, list_slot_ptr,
     tokens_ptr, parents_ptr, depths_ptr, scores_ptr, num_nodes_ptr,
     CHAIN: tl.constexpr, BP: tl.constexpr, LOG2_BP: tl.constexpr, KP: tl.constexpr,
     LOG2_KP: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr,
@@ -201,42 +202,58 @@ def _tree_kernel(
             tl.store(list_parent_ptr + lists + d * BP, 0)
             tl.store(list_rank_ptr + lists + d * BP, 0)
 
-    # The chosen nodes: per depth a prefix of positions, c[d] of them.
+    # The chosen nodes, in slot order: the forced chain (slots 1..F, by depth), then the other
+    # prefixes of ``top`` in its order (score desc, depth, position), as tree_from_ranked.
     in_top = (top != EMPTY) & (pos < budget)
     flat = packed_index(top)
-    node_depth = flat // BP
+    level = flat // BP  # [BP]: depth index 0..D-1
+    cell_pos = flat % BP
     dd = tl.arange(0, DP)
     if CHAIN:
         forced = tl.minimum(depth, budget)
-        other = in_top & ~((flat % BP == 0) & (node_depth < forced))
+        other = in_top & ~((cell_pos == 0) & (level < forced))
         chosen = other & (tl.cumsum(other.to(tl.int32), 0) <= budget - forced)
-        per_depth = (dd < forced).to(tl.int32)
     else:
+        forced = 0
         chosen = in_top
-        per_depth = tl.zeros([DP], tl.int32)
-    per_depth += tl.sum(((node_depth[:, None] == dd[None, :]) & chosen[:, None]).to(tl.int32), 0)
-    first_slot = 1 + tl.cumsum(per_depth, 0) - per_depth  # [DP]
-    num_nodes = tl.sum(per_depth, 0)
-
-    # Slot s -> (depth, position): slots are laid out depth by depth.
-    tl.debug_barrier()  # the lists were written by all threads of this program
-    slot = tl.arange(0, NP)
-    real = (slot >= 1) & (slot <= num_nodes)
-    level = tl.sum(((first_slot[None, :] <= slot[:, None]) & (dd[None, :] < depth)).to(tl.int32), 1)
-    level = tl.minimum(tl.maximum(level - 1, 0), depth - 1)  # [NP]: depth index 0..D-1
-    cell = lists + level * BP + slot - tl.gather(first_slot, level, 0)
-    rank = tl.load(list_rank_ptr + cell, mask=real, other=0)
-    parent_pos = tl.load(list_parent_ptr + cell, mask=real, other=0)
-    node_score = tl.load(list_score_ptr + cell, mask=real, other=0.0)
-    token = tl.load(ids_ptr + (req * depth + level) * k + rank, mask=real, other=-1)
-    parent = tl.gather(first_slot, tl.maximum(level - 1, 0), 0) + parent_pos
-    parent = tl.where(level == 0, 0, parent)
+    slot = forced + tl.cumsum(chosen.to(tl.int32), 0)  # [BP]: 1-based slot of each chosen
+    num_nodes = forced + tl.sum(chosen.to(tl.int32), 0)
     n_slots = budget + 1
-    out = req * n_slots + slot
-    in_tree = slot < n_slots
-    tl.store(tokens_ptr + out, tl.where(real, token, -1), mask=in_tree)
-    tl.store(parents_ptr + out, tl.where(real, parent, -1).to(tl.int64), mask=in_tree)
-    tl.store(depths_ptr + out, tl.where(real, level + 1, 0).to(tl.int64), mask=in_tree)
-    pad_score = tl.where(slot == 0, 0.0, float("-inf"))
-    tl.store(scores_ptr + out, tl.where(real, node_score, pad_score), mask=in_tree)
+    row = req * n_slots
+
+    # Root and padding first (slots 0 and > num_nodes), disjoint from the node stores below.
+    ss = tl.arange(0, NP)
+    rest = (ss < n_slots) & ((ss == 0) | (ss > num_nodes))
+    tl.store(tokens_ptr + row + ss, tl.full([NP], -1, tl.int64), mask=rest)
+    tl.store(parents_ptr + row + ss, tl.full([NP], -1, tl.int64), mask=rest)
+    tl.store(depths_ptr + row + ss, tl.zeros([NP], tl.int64), mask=rest)
+    tl.store(scores_ptr + row + ss, tl.where(ss == 0, 0.0, float("-inf")), mask=rest)
+
+    # Each kept prefix's slot, filed under its (depth, position) cell, so children find their
+    # parent's slot.
+    cell = lists + level * BP + cell_pos
+    tl.store(list_slot_ptr + cell, slot, mask=chosen)
+    is_chain = dd < forced
+    tl.store(list_slot_ptr + lists + dd * BP, dd + 1, mask=is_chain)
+    tl.debug_barrier()  # the lists and slots were written by all threads of this program
+
+    parent_pos = tl.load(list_parent_ptr + cell, mask=chosen, other=0)
+    parent_cell = lists + tl.maximum(level - 1, 0) * BP + parent_pos
+    parent = tl.load(list_slot_ptr + parent_cell, mask=chosen & (level > 0), other=0)
+    rank = tl.load(list_rank_ptr + cell, mask=chosen, other=0)
+    token = tl.load(ids_ptr + (req * depth + level) * k + rank, mask=chosen, other=-1)
+    node_score = tl.load(list_score_ptr + cell, mask=chosen, other=0.0)
+    tl.store(tokens_ptr + row + slot, token, mask=chosen)
+    tl.store(parents_ptr + row + slot, parent.to(tl.int64), mask=chosen)
+    tl.store(depths_ptr + row + slot, (level + 1).to(tl.int64), mask=chosen)
+    tl.store(scores_ptr + row + slot, node_score, mask=chosen)
+
+    # The forced chain: position 0 of depths 0..F-1 in slots 1..F, each the child of the last.
+    chain_rank = tl.load(list_rank_ptr + lists + dd * BP, mask=is_chain, other=0)
+    chain_token = tl.load(ids_ptr + (req * depth + dd) * k + chain_rank, mask=is_chain, other=-1)
+    chain_score = tl.load(list_score_ptr + lists + dd * BP, mask=is_chain, other=0.0)
+    tl.store(tokens_ptr + row + dd + 1, chain_token, mask=is_chain)
+    tl.store(parents_ptr + row + dd + 1, dd.to(tl.int64), mask=is_chain)
+    tl.store(depths_ptr + row + dd + 1, (dd + 1).to(tl.int64), mask=is_chain)
+    tl.store(scores_ptr + row + dd + 1, chain_score, mask=is_chain)
     tl.store(num_nodes_ptr + req, num_nodes.to(tl.int64))
