@@ -44,8 +44,8 @@ class DraftTree:
     in their depth), with ``chain_seed``'s forced chain first: a parent precedes its children,
     and the first ``1 + K`` slots of a budget-B tree are exactly its budget-K tree for every
     K <= B (the best K prefixes are the best K of the best B), so a scheduler may verify any
-    prefix of the slots. Padding slots (only when fewer than ``budget`` prefixes exist) come last, with token -1,
-    parent -1, depth 0, and a mask row holding only themselves.
+    prefix of the slots. Padding slots (only when fewer than ``budget`` prefixes exist) come
+    last, with token -1, parent -1, depth 0, and a mask row holding only themselves.
     """
 
     tokens: torch.Tensor  # long [b, N]: draft token per node; -1 at the root and padding

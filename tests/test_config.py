@@ -288,3 +288,34 @@ def test_request_options_refused_per_runner():
     structured = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
     for v2 in (False, True):
         assert "structured output" in unsupported_request(structured, v2_runner=v2)
+
+
+def test_budget_per_batch_size_option():
+    """``ddtree_budget_per_batch_size`` becomes vLLM's dynamic-SD schedule; the step budget
+    follows it (on the V1 runner the largest of a bucket's sizes); bad schedules are refused
+    with the option's name."""
+    from ddtree.vllm_plugin.config import parse_options
+
+    base = {"method": "ddtree", "model": "d", "ddtree_budget": 64}
+    spec, options = parse_options(
+        {**base, "ddtree_budget_per_batch_size": [[1, 2, 64], [5, 8, 15]]}
+    )
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 2, 64], [5, 8, 15]]
+    assert spec["num_speculative_tokens"] == 64 and options.max_verify_tokens is None
+    assert [options.scheduled_budget(n) for n in (1, 2, 3, 4, 5, 8, 100)] == [64] * 4 + [15] * 3
+    assert [options.step_budget(n, 15) for n in (1, 2, 4, 8, 16)] == [64, 64, 64, 15, 15]
+    bad = [
+        ([[2, 4, 8]], "must start at 1"),
+        ([[1, 4, 65]], "must be in \\[1, ddtree_budget=64\\]"),
+        ([[1, 4, 0]], "must be in"),
+        ([[1, 4]], "3-item"),
+        ("fast", "non-empty list"),
+        ([[1, 4, 8.5]], "ints"),
+    ]
+    for schedule, message in bad:
+        with pytest.raises(ValueError, match="ddtree_budget_per_batch_size: .*" + message):
+            parse_options({**base, "ddtree_budget_per_batch_size": schedule})
+    with pytest.raises(ValueError, match="drop ddtree_max_verify_tokens"):
+        parse_options(
+            {**base, "ddtree_budget_per_batch_size": [[1, 4, 8]], "ddtree_max_verify_tokens": 99}
+        )

@@ -99,6 +99,20 @@ def test_engines_in_one_process_keep_their_own_state(no_spec):
         assert greedy(llm) == no_spec[0]
 
 
+def test_budget_per_batch_size_equals_no_spec(no_spec):
+    """``ddtree_budget_per_batch_size``: 4 requests verify 6-node trees, 2 verify 20, a lone
+    one 64 (the requests finish at different lengths, so the batch shrinks); greedy output
+    stays no-spec's and the mean verified nodes per draft step falls between 6 and 64."""
+    schedule = [[1, 1, 64], [2, 2, 20], [3, 8, 6]]
+    spec = ddtree_spec(64, ddtree_budget_per_batch_size=schedule)
+    with engine(spec=spec, disable_log_stats=False) as llm:
+        assert llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+        assert greedy(llm) == no_spec[0]
+        counts = _spec_counts(llm)
+    per_step = counts["num_draft_tokens"] / counts["num_drafts"]
+    assert 6 < per_step < 64, counts
+
+
 def _spec_counts(llm) -> dict[str, float]:
     return {
         m.name.removeprefix("vllm:spec_decode_"): m.value

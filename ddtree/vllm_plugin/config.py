@@ -91,11 +91,26 @@ class DDTreeOptions:
     max_verify_tokens: int | None = None  # cap on the step's tree tokens, all requests together
     max_verify_cost: float | None = None  # verify forward time / the chain's, at most
     bucket_budgets: dict[int, int] | None = None  # {request bucket: B_step}, from the cost model
+    # ((first, last, B_step), ...): batch-size ranges (sorted) and the budget each verifies
+    budget_schedule: tuple[tuple[int, int, int], ...] | None = None
+
+    def scheduled_budget(self, num_reqs: int) -> int | None:
+        """The schedule's budget for ``num_reqs`` requests (vLLM's rule: a gap or the tail
+        after the last range keeps the previous range's), or None without a schedule."""
+        if not self.budget_schedule:
+            return None
+        return [b for first, _, b in self.budget_schedule if first <= max(num_reqs, 1)][-1]
 
     def step_budget(self, num_reqs: int, depth: int) -> int:
-        """This step's B for ``num_reqs`` requests (a bucket): the budget, shrunk so that
+        """This step's B for ``num_reqs`` requests (a bucket of the V1 runner's graphs). With
+        ``ddtree_budget_per_batch_size``: the largest scheduled budget of the batch sizes in
+        the bucket (vLLM verifies the first 1 + K slots of each tree for the step's actual
+        size, which is the budget-K tree). Otherwise the budget, shrunk so that
         ``num_reqs * (1 + B)`` stays within ``max_verify_tokens`` and to the start-up cost
         model's choice for the bucket, but never below the chain (``min(budget, D)`` nodes)."""
+        if self.budget_schedule:
+            sizes = range(num_reqs // 2 + 1, num_reqs + 1)  # the bucket (powers of two)
+            return max(self.scheduled_budget(n) for n in sizes)
         steps = self.budget
         if self.max_verify_tokens is not None:
             steps = min(steps, self.max_verify_tokens // max(num_reqs, 1) - 1)
@@ -115,6 +130,7 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
     chain_seed = spec.pop("ddtree_chain_seed", True)
     max_verify_tokens = spec.pop("ddtree_max_verify_tokens", "default")
     max_verify_cost = spec.pop("ddtree_max_verify_cost", None)  # opt-in (docs: README)
+    schedule = spec.pop("ddtree_budget_per_batch_size", None)
     unknown = sorted(k for k in spec if k.startswith("ddtree_"))
     if unknown:
         raise ValueError(f"unknown ddtree option(s) {unknown}")
@@ -136,6 +152,17 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
             "ddtree_max_verify_cost must be a number >= 1.0 (a step's verify forward time over "
             f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
         )
+    if schedule is not None:
+        schedule = _budget_schedule(schedule, budget)
+        if max_verify_cost is not None or max_verify_tokens not in ("default", None):
+            raise ValueError(
+                "ddtree_budget_per_batch_size sets the budget per batch size itself: drop "
+                "ddtree_max_verify_tokens / ddtree_max_verify_cost"
+            )
+        max_verify_tokens = None
+        # vLLM's dynamic speculative decoding: the scheduler verifies K of the B drafts for
+        # the step's batch size; the first 1 + K slots of a DDTree tree are its budget-K tree.
+        spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
     if max_verify_tokens == "default":
         # The cost model measures what the fixed cap guesses: with it, no cap by default.
         cap = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
@@ -150,7 +177,33 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
     spec["method"] = "dflash"
     spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
     cost = None if max_verify_cost is None else float(max_verify_cost)
-    return spec, DDTreeOptions(budget, chain_seed, max_verify_tokens, cost)
+    return spec, DDTreeOptions(
+        budget, chain_seed, max_verify_tokens, cost, budget_schedule=schedule
+    )
+
+
+def _budget_schedule(schedule, budget: int) -> tuple[tuple[int, int, int], ...]:
+    """``ddtree_budget_per_batch_size``: ``[[first, last, B_step], ...]`` inclusive batch-size
+    ranges (the first starting at 1) and the tree nodes verified per request there, each in
+    [1, ddtree_budget]; vLLM's own format (``num_speculative_tokens_per_batch_size``)."""
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    hint = "ddtree_budget_per_batch_size: "
+    if isinstance(schedule, list):
+        for entry in schedule:
+            if not isinstance(entry, list | tuple) or not all(_is_int(x) for x in entry):
+                raise ValueError(f"{hint}entries must be [first, last, budget] ints, got {entry!r}")
+    try:
+        ranges = validate_and_normalize_dynamic_sd_schedule(schedule)
+    except ValueError as err:
+        raise ValueError(hint + str(err)) from None
+    for first, last, steps in ranges:
+        if not 1 <= steps <= budget:
+            raise ValueError(
+                f"{hint}the budget of batch sizes {first}-{last} must be in [1, ddtree_budget="
+                f"{budget}], got {steps}"
+            )
+    return tuple(ranges)
 
 
 def options_of(config) -> DDTreeOptions | None:
