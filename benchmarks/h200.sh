@@ -6,6 +6,7 @@
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~5 min)
+#   bash benchmarks/h200.sh sched    # the pair bench with a budget per batch size (~4 min)
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -26,7 +27,7 @@ equality() {  # $1: seconds, $2: cases (default: all)
 }
 case "$1" in
 smoke)
-  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pairopts_nospec,pairopts_ddtree_64,random_nospec,random_ddtree_15
+  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pairopts_nospec,pairopts_ddtree_64,random_nospec,random_ddtree_15
   ;;
 check)
   gpu_tests 300
@@ -66,8 +67,17 @@ pair)
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
   ;;
+sched)
+  timeout 400 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 255 \
+    --ddtree-options '{"ddtree_budget_per_batch_size": [[1, 4, 255], [5, 512, 15]]}' \
+    --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
+    --title "bundled pair, H200, B=255 up to 4 requests, 15 above" --out /tmp/bench_sched \
+    > "$OUT/bench_sched.txt" 2>&1
+  tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
+  tail -30 "$OUT/bench_sched.txt"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|bench|pair|profile|tree" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|bench|pair|sched|profile|tree" >&2
   exit 2
   ;;
 esac

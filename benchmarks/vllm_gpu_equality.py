@@ -27,6 +27,7 @@ BUDGETS = (1, 15, 64, 255, 511, 1023)
 CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDGETS))] + [
     "pair_ddtreetriton_64",
     "pair_ddtreetorch_64",
+    "pair_ddtreesched_255",
     "pair_ddtreesync_64",
     "pair_ddtreev1_64",
     "random_nospec",
@@ -43,7 +44,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
 # code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreetorch:
 # DDTREE_TREE_KERNELS=torch (the tree build, walk and KV compaction in torch ops instead of the
-# default Triton kernels). max_model_len is 1024, or 4 x the budget where that is more.
+# default Triton kernels); ddtreesched: ddtree_budget_per_batch_size (B at 1-2 requests, 15
+# from 3). max_model_len is 1024, or 4 x the budget where that is more.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
 # pairopts: the pair with per-request options the V2 runner serves (one set per request),
 # compared with no-spec under the same options, logprobs included.
@@ -135,6 +137,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         budget = int(method.split("_")[-1])
         max_model_len = max(max_model_len, 4 * budget)  # V2 needs >= 2B + 3 (warm-up)
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
+        if method.startswith("ddtreesched_"):  # the scheduler verifies 15 of B at 3+ requests
+            spec["ddtree_budget_per_batch_size"] = [[1, 2, budget], [3, 8, 15]]
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),
