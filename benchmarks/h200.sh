@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
 #   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~6 min)
+#   bash benchmarks/h200.sh numerics # bf16 attention error: tree kernel vs FlashAttention (~1 min)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
@@ -25,13 +26,22 @@ equality() {  # $1: seconds, $2: cases (default: all)
   tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter .
   cut -c1-400 "$OUT/equality.txt" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
 }
+numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain verify)
+  timeout 150 python3 benchmarks/attention_numerics.py --out "$OUT/attention_numerics.json" \
+    > "$OUT/attention_numerics.txt" 2>&1
+  tail -8 "$OUT/attention_numerics.txt"
+}
 case "$1" in
 smoke)
   equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pairopts_nospec,pairopts_ddtree_64,random_nospec,random_ddtree_15
   ;;
 check)
   gpu_tests 300
+  numerics
   equality 480
+  ;;
+numerics)
+  numerics
   ;;
 bench)
   timeout 300 python3 -m ddtree.cli bench --methods ar,dflash,ddtree --budgets 15,63,255 \
@@ -77,7 +87,7 @@ sched)
   tail -30 "$OUT/bench_sched.txt"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|bench|pair|sched|profile|tree" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree" >&2
   exit 2
   ;;
 esac
