@@ -15,6 +15,8 @@ Error = |output - float64 reference| per element, relative to the reference's RM
 contexts of 64..4096 tokens. Prints a table; ``--out`` writes JSON.
 
     python benchmarks/attention_numerics.py --out numerics.json
+    TRITON_INTERPRET=1 python benchmarks/attention_numerics.py --device cpu --contexts 40,100 \
+        --budget 20 --seeds 1   # the tree rows in float32 on the CPU: checks this script
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 
 HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
+DEVICE = "cuda"  # --device cpu: the tree rows only, float32 under TRITON_INTERPRET=1 (a check
+DTYPE = torch.bfloat16  # of this file: Triton's interpreter has no bfloat16)
 
 
 def _cache(contexts: list[int], slots: int, gen: torch.Generator):
@@ -33,17 +37,17 @@ def _cache(contexts: list[int], slots: int, gen: torch.Generator):
     NHD memory), shuffled block tables, K/V scaled like a real model's (|k| ~ 3, |v| ~ 1)."""
     per_req = -(-(max(contexts) + slots) // BLOCK)
     num_blocks = per_req * len(contexts)
-    memory = torch.randn(num_blocks, BLOCK, KV_HEADS, 2 * HEAD, device="cuda", generator=gen)
+    memory = torch.randn(num_blocks, BLOCK, KV_HEADS, 2 * HEAD, device=DEVICE, generator=gen)
     memory[..., :HEAD] *= 3.0
-    kv_cache = memory.bfloat16().permute(0, 2, 1, 3)
-    tables = torch.randperm(num_blocks, device="cuda", generator=gen).view(len(contexts), per_req)
+    kv_cache = memory.to(DTYPE).permute(0, 2, 1, 3)
+    tables = torch.randperm(num_blocks, device=DEVICE, generator=gen).view(len(contexts), per_req)
     return kv_cache, tables.int()
 
 
 def _reference(query, kv_cache, table, context, mask_row) -> torch.Tensor:
     """float64 attention of one query row over context + the slots ``mask_row`` allows."""
     seen = mask_row.nonzero().squeeze(1)
-    pos = torch.cat([torch.arange(context, device="cuda"), context + seen])
+    pos = torch.cat([torch.arange(context, device=DEVICE), context + seen])
     rows = kv_cache[table[pos // BLOCK].long(), :, pos % BLOCK].double()  # [n, kvh, 2hd]
     k, v = rows[..., :HEAD], rows[..., HEAD:]
     q = query.double().view(KV_HEADS, HEADS // KV_HEADS, HEAD)
@@ -75,12 +79,12 @@ def _tree(query, kv_cache, tables, trees, contexts) -> torch.Tensor:
     from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 
     num_reqs, slots = trees.tokens.shape
-    cu_q = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32) * slots
-    seq_lens = torch.tensor(contexts, device="cuda", dtype=torch.int32) + slots
+    cu_q = torch.arange(num_reqs + 1, device=DEVICE, dtype=torch.int32) * slots
+    seq_lens = torch.tensor(contexts, device=DEVICE, dtype=torch.int32) + slots
     out = torch.zeros_like(query)
     paged_tree_attention(
         query, kv_cache, out, cu_q, seq_lens, tables,
-        torch.arange(num_reqs, device="cuda", dtype=torch.int32),
+        torch.arange(num_reqs, device=DEVICE, dtype=torch.int32),
         trees.depths.int().contiguous(), trees.ancestors.int().contiguous(),
         HEAD**-0.5, slots,
     )  # fmt: skip
@@ -97,40 +101,54 @@ def _errors(got, want_rows) -> tuple[float, float]:
 def measure(contexts: list[int], budget: int, seed: int) -> dict[str, tuple[float, float]]:
     import ddtree
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     num_reqs, chain = len(contexts), 16
     slots = max(chain, budget + 1)
     kv_cache, tables = _cache(contexts, slots, gen)
     depth = 15
-    logits = torch.randn(num_reqs, depth, 2000, device="cuda", generator=gen) * 3
+    logits = torch.randn(num_reqs, depth, 2000, device=DEVICE, generator=gen) * 3
     chain_tree = ddtree.build_tree(logits, depth, chain_seed=True)  # 16 slots, a chain
     tree = ddtree.build_tree(logits, budget, chain_seed=True)
     out = {}
 
+    if DEVICE != "cuda":  # FlashAttention needs CUDA
+        return _tree_rows(out, contexts, budget, kv_cache, tables, chain_tree, tree, gen)
+
     # fa_decode: the root row alone (context + itself).
-    q1 = torch.randn(num_reqs, HEADS, HEAD, device="cuda", generator=gen).bfloat16()
-    cu1 = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32)
-    lens1 = torch.tensor(contexts, device="cuda", dtype=torch.int32) + 1
+    q1 = torch.randn(num_reqs, HEADS, HEAD, device=DEVICE, generator=gen).to(DTYPE)
+    cu1 = torch.arange(num_reqs + 1, device=DEVICE, dtype=torch.int32)
+    lens1 = torch.tensor(contexts, device=DEVICE, dtype=torch.int32) + 1
     got = _flash(q1, kv_cache, tables, cu1, lens1, 1)
     want = [_reference(q1[r], kv_cache, tables[r], contexts[r], torch.ones(1, dtype=torch.bool,
-            device="cuda")) for r in range(num_reqs)]  # fmt: skip
+            device=DEVICE)) for r in range(num_reqs)]  # fmt: skip
     out["fa_decode"] = _errors(list(got), want)
 
     # fa_chain and tree_chain: 16 causal queries per request.
-    q = torch.randn(num_reqs * chain, HEADS, HEAD, device="cuda", generator=gen).bfloat16()
-    cu = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32) * chain
-    lens = torch.tensor(contexts, device="cuda", dtype=torch.int32) + chain
+    q = torch.randn(num_reqs * chain, HEADS, HEAD, device=DEVICE, generator=gen).to(DTYPE)
+    cu = torch.arange(num_reqs + 1, device=DEVICE, dtype=torch.int32) * chain
+    lens = torch.tensor(contexts, device=DEVICE, dtype=torch.int32) + chain
     want = [
         _reference(q[r * chain + i], kv_cache, tables[r], contexts[r], chain_tree.mask[r, i])
         for r in range(num_reqs)
         for i in range(chain)
     ]
     out["fa_chain"] = _errors(list(_flash(q, kv_cache, tables, cu, lens, chain)), want)
-    out["tree_chain"] = _errors(list(_tree(q, kv_cache, tables, chain_tree, contexts)), want)
+    return _tree_rows(out, contexts, budget, kv_cache, tables, chain_tree, tree, gen, q, want)
 
-    # tree_B: the budget-B tree's own mask.
+
+def _tree_rows(out, contexts, budget, kv_cache, tables, chain_tree, tree, gen, q=None, want=None):
+    """tree_chain (on the chain's queries) and tree_B rows of ``out``."""
+    num_reqs, chain = len(contexts), 16
+    if q is None:
+        q = torch.randn(num_reqs * chain, HEADS, HEAD, device=DEVICE, generator=gen).to(DTYPE)
+        want = [
+            _reference(q[r * chain + i], kv_cache, tables[r], contexts[r], chain_tree.mask[r, i])
+            for r in range(num_reqs)
+            for i in range(chain)
+        ]
+    out["tree_chain"] = _errors(list(_tree(q, kv_cache, tables, chain_tree, contexts)), want)
     n = budget + 1
-    qb = torch.randn(num_reqs * n, HEADS, HEAD, device="cuda", generator=gen).bfloat16()
+    qb = torch.randn(num_reqs * n, HEADS, HEAD, device=DEVICE, generator=gen).to(DTYPE)
     want = [
         _reference(qb[r * n + i], kv_cache, tables[r], contexts[r], tree.mask[r, i])
         for r in range(num_reqs)
@@ -146,7 +164,11 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=63)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    global DEVICE, DTYPE
+    DEVICE = args.device
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = {}
     for seed in range(args.seeds):
