@@ -5,6 +5,7 @@
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
+#   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh sched    # the pair bench with a budget per batch size (~4 min)
@@ -63,6 +64,10 @@ profile)  # torch.profiler over in-process engines (kernels per step): DDTree be
       --out "$OUT/profile" 2>&1 | grep -A12 "steps,"
   done
   ;;
+gdn)  # tree GDN kernel vs vLLM's chain kernel, Qwen3.6-27B GDN shapes (issue 21)
+  timeout 300 python3 benchmarks/gdn_tree.py --out "$OUT/gdn_tree.json" > "$OUT/gdn_tree.txt" 2>&1
+  tail -16 "$OUT/gdn_tree.txt"
+  ;;
 tree)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1
   tail -2 "$OUT/kernels.txt"
@@ -87,7 +92,7 @@ sched)
   tail -30 "$OUT/bench_sched.txt"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree|gdn" >&2
   exit 2
   ;;
 esac

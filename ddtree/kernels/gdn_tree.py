@@ -1,0 +1,117 @@
+"""Gated DeltaNet on a draft tree, the exact path-flattened recurrence (one Triton launch).
+
+Torch reference: :func:`ddtree.gdn.tree_gdn` (same math as vLLM's recurrent kernels: q/k L2
+norm in the kernel, ``S = exp(g) S``, ``S += beta (v - S k) k^T``, ``o = S q``). Each program
+takes one (node, value head, V-tile): it loads the request's cached state tile ``[BV, K]`` and
+replays the node's root path (root first, ``depth + 1`` tokens, read from the k-th-ancestor
+table) in registers, then writes the node's output. No per-node state is stored: the commit
+replays the accepted path the same way (:func:`ddtree.gdn.replay_path`). Work grows with
+``N x (D + 1)`` state updates per head; a tree-masked chunked form is the faster next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ddtree.kernels._common import next_pow2
+from ddtree.kernels.build import check_device
+
+
+@triton.jit
+def _tree_gdn_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ancestors_ptr, depths_ptr, out_ptr,
+    n_slots, heads_v, ratio, dim_v, scale, eps,
+    s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn,
+    s_sb, s_sh, s_sv, s_ab, s_an, s_db, s_ob, s_on, s_oh,
+    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
+    node = tl.program_id(0)
+    hv = tl.program_id(1)
+    req = node // n_slots
+    slot = node % n_slots
+    h = hv // ratio
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < dim_v
+    tile = mask_v[:, None] & mask_k[None, :]
+    state = tl.load(
+        state_ptr + req * s_sb + hv * s_sh + offs_v[:, None] * s_sv + offs_k[None, :],
+        mask=tile,
+        other=0.0,
+    ).to(tl.float32)  # [BV, BK]
+    depth = tl.load(depths_ptr + req * s_db + slot)
+    for step in range(0, depth + 1):  # root first: ancestor level depth, depth-1, ..., 0
+        at = tl.load(ancestors_ptr + req * s_ab + slot * s_an + depth - step)
+        kk = tl.load(k_ptr + req * s_kb + at * s_kn + h * s_kh + offs_k, mask=mask_k, other=0.0)
+        kk = kk.to(tl.float32)
+        if L2NORM:
+            kk = kk / tl.sqrt(tl.sum(kk * kk, 0) + eps)
+        vv = tl.load(v_ptr + req * s_vb + at * s_vn + hv * s_vh + offs_v, mask=mask_v, other=0.0)
+        gg = tl.load(g_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
+        bb = tl.load(beta_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
+        state = state * tl.exp(gg)
+        delta = bb * (vv.to(tl.float32) - tl.sum(state * kk[None, :], 1))  # [BV]
+        state = state + delta[:, None] * kk[None, :]
+    qq = tl.load(q_ptr + req * s_qb + slot * s_qn + h * s_qh + offs_k, mask=mask_k, other=0.0)
+    qq = qq.to(tl.float32)
+    if L2NORM:
+        qq = qq / tl.sqrt(tl.sum(qq * qq, 0) + eps)
+    out = tl.sum(state * (qq * scale)[None, :], 1)  # [BV]
+    tl.store(out_ptr + req * s_ob + slot * s_on + hv * s_oh + offs_v, out, mask=mask_v)
+
+
+def tree_gdn_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    ancestors: torch.Tensor,
+    depths: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    l2norm_eps: float = 1e-6,
+    out: torch.Tensor | None = None,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """Every node's GDN output ``[b, N, HV, V]`` float32: its root path's recurrence from the
+    request's cached ``state [b, HV, V, K]``.
+
+    ``q, k [b, N, H, K]``, ``v [b, N, HV, V]``, ``g, beta [b, N, HV]`` (log-decay, write
+    strength), ``ancestors [b, N, D + 1]`` (k-th ancestor, saturating at the root; padding
+    slots point at themselves) and ``depths [b, N]`` of :class:`ddtree.tree.DraftTree`; padding
+    slots (depth 0) start from the cached state, as in :func:`ddtree.gdn.tree_gdn`.
+    """
+    check_device(q, k, v, g, beta, state, ancestors, depths)
+    batch, n_slots, heads, dim_k = k.shape
+    heads_v, dim_v = v.shape[2], v.shape[3]
+    if heads_v % heads:
+        raise ValueError(f"value heads ({heads_v}) must be a multiple of key heads ({heads})")
+    if tuple(state.shape) != (batch, heads_v, dim_v, dim_k):
+        raise ValueError(f"state must be [b, HV, V, K], got {list(state.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"tree_gdn_fused: {name} must have a contiguous last dim")
+    g, beta = g.contiguous(), beta.contiguous()
+    ancestors, depths = ancestors.contiguous(), depths.contiguous()
+    if out is None:
+        out = torch.empty(batch, n_slots, heads_v, dim_v, dtype=torch.float32, device=v.device)
+    block_v = min(block_v, next_pow2(dim_v))
+    grid = (batch * n_slots, heads_v, triton.cdiv(dim_v, block_v))
+    _tree_gdn_kernel[grid](
+        q, k, v, g, beta, state, ancestors, depths, out,
+        n_slots, heads_v, heads_v // heads, dim_v,
+        dim_k**-0.5 if scale is None else scale, l2norm_eps,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        ancestors.stride(0), ancestors.stride(1), depths.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
+    )  # fmt: skip
+    return out

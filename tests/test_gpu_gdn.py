@@ -1,0 +1,31 @@
+"""CUDA-only: the tree GDN kernel at Qwen3.6-27B GDN head shapes (16 key heads, 48 value
+heads, head size 128) in bf16 against the float32 torch reference, on a budget-63 tree."""
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.gdn import tree_gdn
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_tree_gdn_kernel_bf16(batch):
+    from ddtree.kernels.gdn_tree import tree_gdn_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    n, heads, heads_v, dim = 64, 16, 48, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    trees = ddtree.build_tree(rand(batch, 15, 3000) * 3, n - 1, chain_seed=True)
+    q, k = rand(batch, n, heads, dim).bfloat16(), rand(batch, n, heads, dim).bfloat16()
+    v = rand(batch, n, heads_v, dim).bfloat16()
+    g = -torch.rand(batch, n, heads_v, device="cuda", generator=gen) * 0.1
+    beta = torch.rand(batch, n, heads_v, device="cuda", generator=gen)
+    state = rand(batch, heads_v, dim, dim) * 0.1
+    want, _ = tree_gdn(q, k, v, g, beta, state, trees.parents)
+    got = tree_gdn_fused(q, k, v, g, beta, state, trees.ancestors, trees.depths)
+    torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=2e-3)
