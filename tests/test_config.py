@@ -259,9 +259,9 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
 
 
 def test_request_options_refused_per_runner():
-    """The V1 runner serves every option of the sampling distribution and logprobs; the V2
-    runner refuses them by name for now, pointing at the V1 runner; structured output is
-    refused on both; neutral values are never refused."""
+    """The V1 runner serves every option of the sampling distribution, logprobs and structured
+    output (without a reasoning parser); the V2 runner refuses them by name for now, pointing
+    at the V1 runner; neutral values are never refused."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     from ddtree.vllm_plugin.requests import REFUSED_V2, unsupported_request
@@ -276,18 +276,24 @@ def test_request_options_refused_per_runner():
         "frequency_penalty": 0.5,
         "repetition_penalty": 1.2,
         "bad_words": ["x"],
+        "structured_outputs": StructuredOutputsParams(choice=["a"]),
     }
     assert served_on_v1.keys() == REFUSED_V2.keys()
     for name, value in served_on_v1.items():
         params = SamplingParams(**{name: value})
         assert unsupported_request(params, v2_runner=False) is None, name
         reason = unsupported_request(params, v2_runner=True)
-        assert name in reason and "VLLM_USE_V2_MODEL_RUNNER=0" in reason, name
+        assert name.split("_")[0] in reason and "VLLM_USE_V2_MODEL_RUNNER=0" in reason, name
     neutral = SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, temperature=0.7)
     assert unsupported_request(neutral, v2_runner=True) is None
-    structured = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
-    for v2 in (False, True):
-        assert "structured output" in unsupported_request(structured, v2_runner=v2)
+    from types import SimpleNamespace
+
+    from ddtree.vllm_plugin.requests import structured_output_refusal
+
+    config = SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=""))
+    assert structured_output_refusal(config) is None
+    config.structured_outputs_config.reasoning_parser = "qwen3"
+    assert "reasoning_parser=qwen3" in structured_output_refusal(config)
 
 
 def test_budget_per_batch_size_option():

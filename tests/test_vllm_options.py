@@ -5,6 +5,8 @@ as no-spec returns them, and T=1 samples follow no-spec's distribution.
 One no-spec and one DDTree engine serve every case (module fixtures).
 """
 
+import json
+
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -16,10 +18,20 @@ from engines import (  # noqa: E402
     engine,
     token_counts,
 )
+from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 VOCAB = 8192
 NEWLINE = 202
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["def", "class"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["kind", "n"],
+    "additionalProperties": False,
+}
 
 
 # (prompt, options): one option per request (a few together), each strong enough to change
@@ -34,7 +46,21 @@ CASES = [
     (1, dict(bad_words=["self._file"])),  # several tokens, in the plain answer
     (2, dict(logprobs=3, presence_penalty=0.5)),
     (3, dict(logprobs=0)),
+    # Structured output: each tree node constrained by its own root path's grammar state.
+    (
+        0,
+        dict(
+            structured_outputs=StructuredOutputsParams(
+                json=JSON_SCHEMA, disable_any_whitespace=True
+            )
+        ),
+    ),
+    (1, dict(structured_outputs=StructuredOutputsParams(regex=r"[a-z_]+\(\w*\)"))),
+    (2, dict(structured_outputs=StructuredOutputsParams(choice=["import os", "def f(x):"]))),
 ]
+
+
+STRUCTURED_JSON = CASES[-3]
 
 
 def _generate(llm, cases, max_tokens: int = 32):
@@ -50,7 +76,7 @@ def _generate(llm, cases, max_tokens: int = 32):
                 {t: (round(lp.logprob, 3), lp.rank) for t, lp in position.items()}
                 for position in c.logprobs
             ]
-        out.append((list(c.token_ids), c.finish_reason, logprobs))
+        out.append((list(c.token_ids), c.finish_reason, logprobs, c.text))
     return out
 
 
@@ -75,9 +101,11 @@ DISTRIBUTIONS = {
 
 @pytest.fixture(scope="module")
 def runs():
-    """(no-spec, DDTree B=15): greedy outputs with options, unoptioned outputs, T=1 counts."""
+    """(no-spec, DDTree B=15): greedy outputs with options, unoptioned outputs, T=1 counts.
+    Without the forced argmax chain, so that the 15 slots hold siblings (with it, slots 1..15
+    would be the chain and per-node histories and grammar states the chain's)."""
     results = []
-    for spec in (None, ddtree_spec(15)):
+    for spec in (None, ddtree_spec(15, ddtree_chain_seed=False)):
         with engine(spec=spec, disable_log_stats=False) as llm:
             plain = _generate(llm, [(i, {}) for i, _ in CASES])
             optioned = _generate(llm, CASES)
@@ -100,6 +128,9 @@ def test_greedy_with_options_equals_no_spec(runs):
     (_, want, _, _), (_, got, _, metrics) = runs
     for (_, case), a, b in zip(CASES, want, got, strict=True):
         assert b[:2] == a[:2], case
+    tokens, reason, _, text = got[CASES.index(STRUCTURED_JSON)]
+    answer = json.loads(text)  # complete and valid
+    assert reason == "stop" and answer["kind"] in ("def", "class") and 0 <= answer["n"] <= 9
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
     assert accepted > 0  # trees were verified and accepted, not only root steps
 
@@ -142,18 +173,14 @@ def test_sampling_with_options_follows_no_spec(runs, name):
 def test_first_token_options_and_refusals():
     """A DDTree engine samples a prefill's first token with vLLM's own sampler: logit_bias and
     min_p must reach it too (vLLM builds neither processor under speculative decoding).
-    Structured output is refused by name, and the engine serves on after it."""
-    from vllm.sampling_params import StructuredOutputsParams
-
+    What DDTree does not serve is refused by name, and the engine serves on after it."""
     with engine(spec=ddtree_spec(15)) as llm:
         params = vllm.SamplingParams(
             temperature=1.0, min_p=0.5, logit_bias={297: 100.0}, max_tokens=1, seed=0
         )
         outs = llm.generate(PROMPTS, params)
-        refused = vllm.SamplingParams(
-            max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"])
-        )
-        with pytest.raises(ValueError, match="structured output"):
+        refused = vllm.SamplingParams(max_tokens=4, logprob_token_ids=[1, 2])
+        with pytest.raises(ValueError, match="logprob_token_ids"):
             llm.generate(PROMPTS[:1], refused)
         again = llm.generate(PROMPTS, params)
     assert [list(o.outputs[0].token_ids) for o in outs + again] == [[297]] * 2 * len(PROMPTS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("vllm.ddtree")
@@ -93,6 +93,9 @@ class DDTreeOptions:
     bucket_budgets: dict[int, int] | None = None  # {request bucket: B_step}, from the cost model
     # ((first, last, B_step), ...): batch-size ranges (sorted) and the budget each verifies
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
+    # Structured-output requests (V1 runner): request id -> parent slot of each draft, from
+    # the proposer to the scheduler's grammar bitmask (v1/grammar.py); one process only.
+    tree_parents: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def scheduled_budget(self, num_reqs: int) -> int | None:
         """The schedule's budget for ``num_reqs`` requests (vLLM's rule: a gap or the tail

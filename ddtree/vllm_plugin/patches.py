@@ -10,6 +10,7 @@ from __future__ import annotations
 from ddtree.vllm_plugin import config, requests
 from ddtree.vllm_plugin.config import options_of
 from ddtree.vllm_plugin.hooks import replace, wrap, wrap_property
+from ddtree.vllm_plugin.v1 import grammar as v1_grammar
 from ddtree.vllm_plugin.v1 import prepare, propose, sample
 
 PINNED_VLLM = "0.26.0"
@@ -105,6 +106,32 @@ def _patch_scheduler() -> None:
             depth = config.draft_depth(spec)
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
 
+    @wrap(Scheduler, "update_draft_token_ids")
+    def update_draft_token_ids(original, self, draft_token_ids):
+        # vLLM cuts a structured-output request's drafts at the first one its grammar rejects
+        # as a chain; tree nodes are kept whole (v1/grammar.py says why that is safe).
+        manager = self.structured_output_manager
+        options = options_of(self.vllm_config.speculative_config)
+        if options is None:
+            return original(self, draft_token_ids)
+        options.tree_parents = dict(getattr(draft_token_ids, "ddtree_parents", {}))
+        manager.should_advance = lambda request: False  # this call only
+        try:
+            return original(self, draft_token_ids)
+        finally:
+            del manager.should_advance
+
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    @wrap(StructuredOutputManager, "grammar_bitmask")
+    def grammar_bitmask(original, self, requests_, request_ids, spec_tokens):
+        options = options_of(self.vllm_config.speculative_config)
+        if options is None or not any(spec_tokens.get(r) for r in request_ids):
+            return original(self, requests_, request_ids, spec_tokens)
+        return v1_grammar.tree_grammar_bitmask(
+            self, requests_, request_ids, spec_tokens, options.tree_parents
+        )
+
 
 def _patch_request_validation() -> None:
     from vllm.sampling_params import SamplingParams
@@ -122,6 +149,8 @@ def _patch_request_validation() -> None:
         original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and options_of(self.speculative_config):
             reason = requests.unsupported_request(params, self.use_v2_model_runner)
+            if reason is None and params.structured_outputs is not None:
+                reason = requests.structured_output_refusal(self.vllm_config)
             if reason is not None:  # a ValueError here is a 400 in the OpenAI server
                 raise ValueError(reason)
 
@@ -165,8 +194,6 @@ def _patch_v1_runner() -> None:
         result = original(self, scheduler_output, *args, **kwargs)
         engine = engine_of(self)
         if engine is not None:
-            if getattr(scheduler_output, "has_structured_output_requests", False):
-                raise NotImplementedError(requests.REFUSED["structured_outputs"])
             prepare.prepare_step(engine, self, scheduler_output)
         return result
 
@@ -180,6 +207,19 @@ def _patch_v1_runner() -> None:
         metadata = self.input_batch.sampling_metadata
         requests.refuse_unsupported_batch(metadata)
         return sample.tree_sample(engine, self, logits, spec_decode_metadata, metadata)
+
+    @wrap(runner_cls, "take_draft_token_ids")
+    def take_draft_token_ids(original, self):
+        drafts = original(self)
+        engine = engine_of(self)
+        if drafts is None or engine is None or not engine.options.tree_parents:
+            return drafts
+        shapes = engine.options.tree_parents  # the scheduler's grammar bitmask needs them
+        return v1_grammar.TreeDraftTokenIds(
+            drafts.req_ids,
+            drafts.draft_token_ids,
+            {r: shapes[r] for r in drafts.req_ids if r in shapes},
+        )
 
     @wrap(runner_cls, "_input_fits_in_drafter")
     def _input_fits_in_drafter(original, self, common_attn_metadata):

@@ -1,7 +1,8 @@
 """Per-request options DDTree cannot serve on a runner: one table, one wording.
 
 The V1 runner's tree sampler applies every option of the sampling distribution at each tree
-node with that node's own history (``v1/options.py``) and returns logprobs. The V2 runner's
+node with that node's own history (``v1/options.py``), returns logprobs, and constrains each
+node by its own grammar state (``v1/grammar.py``). The V2 runner's
 serves temperature, top-k and top-p (vLLM's V2 sampler at each node's depth position); see
 ``REFUSED_V2`` for the rest. What a runner cannot serve is refused, never
 silently ignored: in the front end (``InputProcessor._validate_params``: ``LLM.generate``
@@ -15,10 +16,6 @@ _V1_HINT = " (the V1 model runner serves it: VLLM_USE_V2_MODEL_RUNNER=0)"
 
 # option -> why it is refused on every runner (the message a client sees)
 REFUSED = {
-    "structured_outputs": (
-        "structured output (guided decoding, JSON schema, tool calls with a schema) is not "
-        "supported with ddtree yet: each tree node needs its own grammar state"
-    ),
     "logprob_token_ids": "logprob_token_ids (generative scoring) is not supported with ddtree",
     "thinking_token_budget": "thinking_token_budget is not supported with ddtree yet",
 }
@@ -39,6 +36,10 @@ REFUSED_V2 = {
     "min_tokens": f"min_tokens is not supported {_V2}",
     "logit_bias": f"logit_bias is not supported {_V2}",
     "allowed_token_ids": f"allowed_token_ids is not supported {_V2}",
+    "structured_outputs": (
+        f"structured output (guided decoding, JSON schema, tool calls with a schema) is not "
+        f"supported {_V2}: each tree node needs its own grammar state"
+    ),
 }
 # Values that leave the distribution as it is (absent from the table: None / empty / 0).
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -66,6 +67,19 @@ def unsupported_request(params, v2_runner: bool) -> str | None:
                 value = getattr(params, name)
                 shown = f" (got {name}={value})" if name in _NEUTRAL else ""
                 return reason + shown + hint
+    return None
+
+
+def structured_output_refusal(vllm_config) -> str | None:
+    """Why the V1 runner cannot serve structured output in this engine (None: it can): its
+    per-node grammar bitmask (``v1/grammar.py``) does not follow a reasoning parser's grammar
+    gate yet."""
+    reasoning = getattr(vllm_config.structured_outputs_config, "reasoning_parser", "")
+    if reasoning:
+        return (
+            "structured output with ddtree is not supported with a reasoning parser yet "
+            f"(reasoning_parser={reasoning})"
+        )
     return None
 
 

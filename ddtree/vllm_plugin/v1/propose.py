@@ -119,9 +119,26 @@ def make_proposer_class(base, check_settings):
             engine.proposal = trees  # graph outputs: read before the next replay
             req_ids = self.runner.input_batch.req_ids[:num_reqs]
             engine.proposed = {req_id: i for i, req_id in enumerate(req_ids)}
+            _share_tree_shapes(engine, self.runner, req_ids, trees.parents)
             return draft_tokens[:num_reqs].clone()
 
     return DDTreeProposer
+
+
+def _share_tree_shapes(engine: EngineState, runner, req_ids: list[str], parents) -> None:
+    """The parent slot of every draft of the structured-output requests, for the scheduler's
+    grammar bitmask (``v1/grammar.py``). A host copy: only when such a request is running."""
+    shapes = engine.options.tree_parents
+    shapes.clear()
+    structured = [
+        i
+        for i, req_id in enumerate(req_ids)
+        if runner.requests[req_id].sampling_params.structured_outputs is not None
+    ]
+    if structured:
+        rows = parents[: len(req_ids)].tolist()
+        for i in structured:
+            shapes[req_ids[i]] = rows[i][1:]
 
 
 @sync_checked
