@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ddtree.kernels import ancestry, build, kv_compact, tree_build, vocab_topk, walk
+from ddtree.kernels import ancestry, build, gdn_tree, kv_compact, tree_build, vocab_topk, walk
 from ddtree.kernels._common import next_pow2, sort_size
 
 PTX_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -157,6 +157,21 @@ def main() -> None:
              "s_block": "i64", "s_head": "i64", "s_offset": "i64"},
             {"PARTS": parts, "HEADS": 8, "WIDTH": width, "MP": 16,
              "CW": min(width, 4096 // 16)},
+            4, args.arch,
+        )  # fmt: skip
+
+    for dtype in args.dtypes.split(","):  # tree GDN at Qwen3.6-27B shapes (K = V = 128)
+        ints = ("n_slots", "heads_v", "ratio", "dim_v", *(f"s_{x}" for x in (
+            "qb", "qn", "qh", "kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn",
+            "sb", "sh", "sv", "ab", "an", "db", "ob", "on", "oh")))  # fmt: skip
+        compile_one(
+            f"gdn._tree_gdn_kernel K=128 BV=32 {dtype}",
+            gdn_tree._tree_gdn_kernel,
+            {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+             "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32",
+             "ancestors_ptr": "*i64", "depths_ptr": "*i64", "out_ptr": "*fp32",
+             **{name: "i32" for name in ints}, "scale": "fp32", "eps": "fp32"},
+            {"K": 128, "BK": 128, "BV": 32, "L2NORM": True},
             4, args.arch,
         )  # fmt: skip
 
