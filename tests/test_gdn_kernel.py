@@ -44,6 +44,35 @@ def check(dtype: torch.dtype, l2norm: bool, seed: int) -> None:
     assert (trees.parents[:, 1:] < 0).any(), "the case should hold padding slots"
     torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
 
+    # The commit: each request's accepted path replayed into its own slot of a state cache
+    # (other slots untouched), equal to the reference's replay and to the tree's node state.
+    from ddtree.gdn import GDNStash, replay_path
+    from ddtree.kernels.gdn_tree import replay_path_fused
+
+    deepest = [int(trees.depths[r].argmax()) for r in range(batch)]  # a deepest node each
+    path = torch.full((batch, depth + 2), -1, dtype=torch.long)
+    for r, node in enumerate(deepest):
+        chain = []
+        while node >= 0:
+            chain.append(node)
+            node = int(trees.parents[r, node])
+        path[r, : len(chain)] = torch.tensor(chain[::-1])
+    stash = GDNStash(*inputs[1:], torch.zeros(batch, n, 3), trees.parents)
+    want_state, _ = replay_path(stash, path, state, torch.zeros(batch, 3, 3), use_qk_l2norm=l2norm)
+    cache = torch.randn(5, heads_v, dim_v, dim_k, generator=gen)
+    slots = torch.tensor([3, 1])
+    cache[slots] = state
+    before = cache.clone()
+    replay_path_fused(*inputs[1:], cache, slots, path, use_qk_l2norm=l2norm, block_v=16)
+    torch.testing.assert_close(cache[slots], want_state.float(), atol=1e-4, rtol=1e-4)
+    others = [i for i in range(5) if i not in slots.tolist()]
+    assert torch.equal(cache[others], before[others])
+    _, node_states = tree_gdn(*inputs, state, trees.parents, use_qk_l2norm=l2norm)
+    for r, node in enumerate(deepest):
+        torch.testing.assert_close(
+            cache[slots[r]], node_states[r, node].float(), atol=1e-4, rtol=1e-4
+        )
+
 
 if __name__ == "__main__":
     for seed, (dtype, l2norm) in enumerate(

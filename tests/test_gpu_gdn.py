@@ -26,6 +26,19 @@ def test_tree_gdn_kernel_bf16(batch):
     g = -torch.rand(batch, n, heads_v, device="cuda", generator=gen) * 0.1
     beta = torch.rand(batch, n, heads_v, device="cuda", generator=gen)
     state = rand(batch, heads_v, dim, dim) * 0.1
-    want, _ = tree_gdn(q, k, v, g, beta, state, trees.parents)
+    want, node_states = tree_gdn(q, k, v, g, beta, state, trees.parents)
     got = tree_gdn_fused(q, k, v, g, beta, state, trees.ancestors, trees.depths)
     torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=2e-3)
+
+    # The commit: the deepest node's path replayed into each request's state slot.
+    from ddtree.kernels.gdn_tree import replay_path_fused
+
+    rows = torch.arange(batch, device="cuda")
+    node = trees.depths.argmax(1)  # [b]: a deepest node
+    up = trees.ancestors[rows, node]  # [b, D + 1]: the node, its parent, ..., the root
+    depth = trees.depths[rows, node][:, None]
+    step = torch.arange(up.shape[1], device="cuda")
+    path = torch.where(step <= depth, up.gather(1, (depth - step).clamp(min=0)), -1)
+    cache = state.clone()
+    replay_path_fused(k, v, g, beta, cache, rows, path)
+    torch.testing.assert_close(cache, node_states[rows, node].float(), atol=2e-3, rtol=2e-3)

@@ -5,7 +5,8 @@ norm in the kernel, ``S = exp(g) S``, ``S += beta (v - S k) k^T``, ``o = S q``).
 takes one (node, value head, V-tile): it loads the request's cached state tile ``[BV, K]`` and
 replays the node's root path (root first, ``depth + 1`` tokens, read from the k-th-ancestor
 table) in registers, then writes the node's output. No per-node state is stored: the commit
-replays the accepted path the same way (:func:`ddtree.gdn.replay_path`). Work grows with
+replays the accepted path the same way, into the request's own state slot
+(:func:`replay_path_fused`; torch reference :func:`ddtree.gdn.replay_path`). Work grows with
 ``N x (D + 1)`` state updates per head; a tree-masked chunked form is the faster next step.
 """
 
@@ -115,3 +116,79 @@ def tree_gdn_fused(
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _replay_path_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, path_ptr,
+    path_len, ratio, dim_v, eps,
+    s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn, s_ss, s_sh, s_sv, s_pb,
+    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // ratio
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < dim_v
+    tile = mask_v[:, None] & mask_k[None, :]
+    cell = tl.load(slots_ptr + req).to(tl.int64)  # the request's state slot in the cache
+    where = state_ptr + cell * s_ss + hv * s_sh + offs_v[:, None] * s_sv + offs_k[None, :]
+    state = tl.load(where, mask=tile, other=0.0).to(tl.float32)
+    for t in range(0, path_len):
+        at = tl.load(path_ptr + req * s_pb + t)
+        if at >= 0:  # the accepted path, then -1 padding
+            kk = tl.load(k_ptr + req * s_kb + at * s_kn + h * s_kh + offs_k, mask=mask_k, other=0.0)
+            kk = kk.to(tl.float32)
+            if L2NORM:
+                kk = kk / tl.sqrt(tl.sum(kk * kk, 0) + eps)
+            vv = tl.load(
+                v_ptr + req * s_vb + at * s_vn + hv * s_vh + offs_v, mask=mask_v, other=0.0
+            )
+            gg = tl.load(g_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
+            bb = tl.load(beta_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
+            state = state * tl.exp(gg)
+            delta = bb * (vv.to(tl.float32) - tl.sum(state * kk[None, :], 1))
+            state = state + delta[:, None] * kk[None, :]
+    tl.store(where, state.to(state_ptr.dtype.element_ty), mask=tile)
+
+
+def replay_path_fused(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    path: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+    l2norm_eps: float = 1e-6,
+    block_v: int = 32,
+) -> None:
+    """Commit accepted paths in place: ``state[state_slots[r]]`` (a cache ``[S, HV, V, K]``)
+    becomes the state after request r's path, as a chain over its tokens would leave it.
+
+    ``k [b, N, H, K]``, ``v [b, N, HV, V]``, ``g, beta [b, N, HV]``: the tree verify's inputs
+    per node; ``path`` long ``[b, L]``: accepted slots from the root (the root included), then
+    -1. The recurrence of :func:`ddtree.gdn.replay_path` (its conv-window part is a gather)."""
+    check_device(k, v, g, beta, state, state_slots, path)
+    batch, _, heads, dim_k = k.shape
+    heads_v, dim_v = v.shape[2], v.shape[3]
+    if tuple(state.shape[1:]) != (heads_v, dim_v, dim_k) or state.stride(-1) != 1:
+        raise ValueError(f"state must be a contiguous [S, HV, V, K] cache, got {list(state.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"replay_path_fused: {name} must have a contiguous last dim")
+    g, beta, path = g.contiguous(), beta.contiguous(), path.contiguous()
+    block_v = min(block_v, next_pow2(dim_v))
+    grid = (batch, heads_v, triton.cdiv(dim_v, block_v))
+    _replay_path_kernel[grid](
+        k, v, g, beta, state, state_slots, path,
+        path.shape[1], heads_v // heads, dim_v, l2norm_eps,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        g.stride(0), g.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        path.stride(0),
+        K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
+    )  # fmt: skip
