@@ -29,8 +29,13 @@ def buckets(max_reqs: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _sync_allowed():
-    """Capture synchronizes by design; DDTREE_SYNC_DEBUG must not flag it."""
+def sync_allowed():
+    """Code that synchronizes by design (graph capture; the host reads of the V1 runner's
+    request options and grammar, which only their requests pay): DDTREE_SYNC_DEBUG must not
+    flag it."""
+    if not torch.cuda.is_available():
+        yield
+        return
     mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
@@ -96,7 +101,7 @@ class GraphCache:
 
     def _capture(self, inputs, options) -> _Entry:
         static = [t.clone() for t in inputs]
-        with _sync_allowed():
+        with sync_allowed():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

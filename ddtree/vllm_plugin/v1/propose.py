@@ -136,7 +136,8 @@ def _share_tree_shapes(engine: EngineState, runner, req_ids: list[str], parents)
         if runner.requests[req_id].sampling_params.structured_outputs is not None
     ]
     if structured:
-        rows = parents[: len(req_ids)].tolist()
+        with graphs.sync_allowed():
+            rows = parents[: len(req_ids)].tolist()
         for i in structured:
             shapes[req_ids[i]] = rows[i][1:]
 

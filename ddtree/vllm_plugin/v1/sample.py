@@ -12,6 +12,7 @@ import torch
 
 from ddtree.sampling import process_logits
 from ddtree.verify import walk
+from ddtree.vllm_plugin import graphs
 from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.state import EngineState
 from ddtree.vllm_plugin.v1 import options
@@ -70,10 +71,12 @@ def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sam
     step = options.step_options(runner, sampling_metadata, num_reqs)
     processed, min_p = logits, None
     if step is not None:
-        row_depth, row_path = options.row_paths(tb.tree, tb.batch_index.tolist(), counts.tolist())
-        processed = options.apply_options(
-            logits, step, sampling_metadata, request_of_row.tolist(), row_depth, row_path
-        )
+        with graphs.sync_allowed():  # host reads of the trees: requests with options only
+            trees = tb.tree, tb.batch_index.tolist(), counts.tolist()
+            row_depth, row_path = options.row_paths(*trees)
+            processed = options.apply_options(
+                logits, step, sampling_metadata, request_of_row.tolist(), row_depth, row_path
+            )
         if step.any_min_p:
             min_p = torch.tensor(step.min_p, device=device).index_select(0, request_of_row_d)
     tokens, drawn_from = target_tokens(
