@@ -139,6 +139,13 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
         if method.startswith("ddtreesched_"):  # the scheduler verifies 15 of B at 3+ requests
             spec["ddtree_budget_per_batch_size"] = [[1, 2, budget], [3, 8, 15]]
+        if kind == "pairopts":
+            # The case that decides whether the V2 runner may serve these: wired, refused in
+            # the front end (this process) until this case equals no-spec on the GPU.
+            from ddtree.vllm_plugin import requests
+
+            for name in ("logprobs", "min_p", "min_tokens", "logit_bias", "allowed_token_ids"):
+                requests.REFUSED_V2.pop(name, None)
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),
