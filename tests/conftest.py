@@ -38,7 +38,9 @@ def servers(tmp_path_factory):
     args = parser.parse_args(
         ["--budget", "64", "--max-num-seqs", "4", "--compare", "--out", str(out)]
     )
+    # A tool parser, so that tool calls (named / required tool_choice) can be served.
     args.vllm_args = ["--kv-cache-memory-bytes", "256M", "--enforce-eager"]
+    args.vllm_args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     server, reference = soak.start_servers(args)
     try:
         yield server, reference

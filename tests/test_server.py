@@ -1,5 +1,6 @@
 """`ddtree serve`: vLLM's OpenAI server with DDTree answers like the no-spec server."""
 
+import json
 import urllib.request
 
 import pytest
@@ -77,6 +78,19 @@ def test_server_ddtree_answers_like_no_spec(servers):
     assert float(accepted[0].split()[-1]) > 0  # the tree got tokens accepted
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "count",
+        "description": "Count the lines of a file.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"enum": ["a.py", "b.py"]}},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+    },
+}
 SCHEMA = {
     "type": "object",
     "properties": {"kind": {"enum": ["def", "class"]}, "n": {"type": "integer", "maximum": 9}},
@@ -102,6 +116,29 @@ def _structured(server) -> list[tuple[str, str]]:
         ).choices[0]
         out.append((c.message.content, c.finish_reason))
     return out
+
+
+def _tool_calls(server) -> list[tuple[str, str]]:
+    client, model = _client(server)
+    c = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "import os"}],
+        max_tokens=60,
+        temperature=0,
+        tools=[TOOL],
+        tool_choice="required",
+    ).choices[0]
+    return [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+
+
+def test_server_tool_call_like_no_spec(servers):
+    """tool_choice "required" (structured output over the tools' schemas): DDTree's call
+    equals no-spec's and its arguments parse."""
+    tree, plain = servers
+    want, got = _tool_calls(plain), _tool_calls(tree)
+    assert got == want and got
+    name, arguments = got[0]
+    assert name == "count" and json.loads(arguments)["path"] in ("a.py", "b.py")
 
 
 def test_server_structured_output_like_no_spec(servers):
