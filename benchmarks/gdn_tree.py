@@ -20,22 +20,9 @@ import json
 from pathlib import Path
 
 import torch
+from tree import timed  # benchmarks/tree.py: median seconds, CUDA events
 
 HEADS, HEADS_V, DIM = 16, 48, 128
-
-
-def _time(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -75,7 +62,9 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
             use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
 
-    row = {"batch": batch, "tokens": tokens, "tree_ms": _time(tree), "chain_ms": _time(chain)}
+    row = {"batch": batch, "tokens": tokens}
+    row["tree_ms"] = timed(tree, "cuda", 20) * 1e3
+    row["chain_ms"] = timed(chain, "cuda", 20) * 1e3
     row["tree_err"] = row["chain_err"] = None
     if batch > 1:  # the references keep every token's float64 state: batch 1 only
         return row

@@ -21,6 +21,28 @@ from ddtree.kernels.build import check_device
 
 
 @triton.jit
+def _l2norm(x, eps, L2NORM: tl.constexpr):
+    """``x`` in float32, divided by sqrt(sum(x^2) + eps) when ``L2NORM`` (vLLM's in-kernel
+    q/k norm)."""
+    x = x.to(tl.float32)
+    if L2NORM:
+        x = x / tl.sqrt(tl.sum(x * x, 0) + eps)
+    return x
+
+
+@triton.jit
+def _delta_rule_step(state, k_row, v_row, g_at, beta_at, offs_k, mask_k, offs_v, mask_v, eps,
+                     L2NORM: tl.constexpr):  # fmt: skip
+    """One token of the gated delta rule on a state tile ``[BV, BK]``: ``S = exp(g) S``, ``S +=
+    beta (v - S k) k^T``; the token's k / v rows and its g / beta cells are given by address."""
+    kk = _l2norm(tl.load(k_row + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
+    vv = tl.load(v_row + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    state = state * tl.exp(tl.load(g_at).to(tl.float32))
+    delta = tl.load(beta_at).to(tl.float32) * (vv - tl.sum(state * kk[None, :], 1))  # [BV]
+    return state + delta[:, None] * kk[None, :]
+
+
+@triton.jit
 def _tree_gdn_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ancestors_ptr, depths_ptr, out_ptr,
     n_slots, heads_v, ratio, dim_v, scale, eps,
@@ -46,20 +68,13 @@ def _tree_gdn_kernel(
     depth = tl.load(depths_ptr + req * s_db + slot)
     for step in range(0, depth + 1):  # root first: ancestor level depth, depth-1, ..., 0
         at = tl.load(ancestors_ptr + req * s_ab + slot * s_an + depth - step)
-        kk = tl.load(k_ptr + req * s_kb + at * s_kn + h * s_kh + offs_k, mask=mask_k, other=0.0)
-        kk = kk.to(tl.float32)
-        if L2NORM:
-            kk = kk / tl.sqrt(tl.sum(kk * kk, 0) + eps)
-        vv = tl.load(v_ptr + req * s_vb + at * s_vn + hv * s_vh + offs_v, mask=mask_v, other=0.0)
-        gg = tl.load(g_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
-        bb = tl.load(beta_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
-        state = state * tl.exp(gg)
-        delta = bb * (vv.to(tl.float32) - tl.sum(state * kk[None, :], 1))  # [BV]
-        state = state + delta[:, None] * kk[None, :]
-    qq = tl.load(q_ptr + req * s_qb + slot * s_qn + h * s_qh + offs_k, mask=mask_k, other=0.0)
-    qq = qq.to(tl.float32)
-    if L2NORM:
-        qq = qq / tl.sqrt(tl.sum(qq * qq, 0) + eps)
+        gb = req * s_gb + at * s_gn + hv
+        state = _delta_rule_step(state, k_ptr + req * s_kb + at * s_kn + h * s_kh,
+                                 v_ptr + req * s_vb + at * s_vn + hv * s_vh, g_ptr + gb,
+                                 beta_ptr + gb, offs_k, mask_k, offs_v, mask_v, eps,
+                                 L2NORM)  # fmt: skip
+    q_row = q_ptr + req * s_qb + slot * s_qn + h * s_qh
+    qq = _l2norm(tl.load(q_row + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
     out = tl.sum(state * (qq * scale)[None, :], 1)  # [BV]
     tl.store(out_ptr + req * s_ob + slot * s_on + hv * s_oh + offs_v, out, mask=mask_v)
 
@@ -139,18 +154,11 @@ def _replay_path_kernel(
     for t in range(0, path_len):
         at = tl.load(path_ptr + req * s_pb + t)
         if at >= 0:  # the accepted path, then -1 padding
-            kk = tl.load(k_ptr + req * s_kb + at * s_kn + h * s_kh + offs_k, mask=mask_k, other=0.0)
-            kk = kk.to(tl.float32)
-            if L2NORM:
-                kk = kk / tl.sqrt(tl.sum(kk * kk, 0) + eps)
-            vv = tl.load(
-                v_ptr + req * s_vb + at * s_vn + hv * s_vh + offs_v, mask=mask_v, other=0.0
-            )
-            gg = tl.load(g_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
-            bb = tl.load(beta_ptr + req * s_gb + at * s_gn + hv).to(tl.float32)
-            state = state * tl.exp(gg)
-            delta = bb * (vv.to(tl.float32) - tl.sum(state * kk[None, :], 1))
-            state = state + delta[:, None] * kk[None, :]
+            gb = req * s_gb + at * s_gn + hv
+            state = _delta_rule_step(state, k_ptr + req * s_kb + at * s_kn + h * s_kh,
+                                     v_ptr + req * s_vb + at * s_vn + hv * s_vh, g_ptr + gb,
+                                     beta_ptr + gb, offs_k, mask_k, offs_v, mask_v, eps,
+                                     L2NORM)  # fmt: skip
     tl.store(where, state.to(state_ptr.dtype.element_ty), mask=tile)
 
 
