@@ -60,7 +60,7 @@ def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_paren
         grammar = request.structured_output_request.grammar
         apply = manager.should_fill_bitmask(request)
         manager._fill_bitmasks(((grammar, row, apply),))  # the root: the request's state
-        drafts = [t for t in spec_tokens.get(req_id, ())]
+        drafts = list(spec_tokens.get(req_id, ()))
         if drafts:
             parents = tree_parents.get(req_id)
             if parents is None or len(parents) < len(drafts):

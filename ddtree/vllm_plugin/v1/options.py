@@ -26,7 +26,6 @@ class StepOptions:
     logit_bias: dict[int, dict[int, float]]  # request row -> {token: bias}
     min_tokens: dict[int, tuple[int, list[int]]]  # request row -> (min_tokens, stop tokens)
     min_p: list[float]  # per request row (0: off)
-    needs_history: bool  # penalties or bad words: each row needs its own token history
 
     @property
     def any_min_p(self) -> bool:
@@ -46,10 +45,11 @@ def step_options(runner, sampling_metadata, num_reqs: int) -> StepOptions | None
         if params.min_tokens and out_len < params.min_tokens and params.all_stop_token_ids:
             min_tokens[q] = (params.min_tokens, sorted(params.all_stop_token_ids))
         min_p.append(float(params.min_p or 0.0))
+    # penalties or bad words: each row needs its own token history
     needs_history = bool(sampling_metadata.bad_words_token_ids) or not (
         sampling_metadata.no_penalties
     )
-    options = StepOptions(outputs, logit_bias, min_tokens, min_p, needs_history)
+    options = StepOptions(outputs, logit_bias, min_tokens, min_p)
     mask = sampling_metadata.allowed_token_ids_mask
     if logit_bias or min_tokens or options.any_min_p or needs_history or mask is not None:
         return options
