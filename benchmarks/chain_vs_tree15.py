@@ -2,9 +2,9 @@
 greedy, on held-out prompts: acceptance counts and whether the outputs agree.
 
 With ``ddtree_chain_seed`` and B = D = 15 the tree is the drafter's argmax chain, so the two
-should accept the same tokens. On the CPU (V1 runner, float32) they do (346 of 436 drafts'
-tokens, identical outputs); on the H200 (V2 runner, bf16) DDTree's tau was ~8% lower: this
-script is the check for that gap.
+should accept the same tokens. On the CPU (V1 runner, float32) they do (346 tokens over 436
+draft steps, identical outputs: benchmarks/results/chain_vs_tree15_cpu_2026-12-04/); on the
+H200 (V2 runner, bf16) DDTree's tau was ~8% lower: this script is the check for that gap.
 
     python benchmarks/chain_vs_tree15.py            # vLLM's defaults for the platform
 """
