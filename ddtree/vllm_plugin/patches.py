@@ -7,7 +7,7 @@ engine's speculative config for DDTree options first.
 
 from __future__ import annotations
 
-from ddtree.vllm_plugin import config, requests
+from ddtree.vllm_plugin import config, gdn, requests
 from ddtree.vllm_plugin.config import options_of
 from ddtree.vllm_plugin.hooks import replace, wrap, wrap_property
 from ddtree.vllm_plugin.v1 import grammar as v1_grammar
@@ -37,6 +37,8 @@ def register() -> None:
 
     if current_platform.is_cuda():
         _patch_v2_runner()
+    if current_platform.is_cpu():
+        gdn.install()
     _patch_attention()
     _APPLIED = True
 
@@ -74,6 +76,7 @@ def _patch_config() -> None:
                 f"ddtree_budget {options.budget} must be below max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}: a request verifies 1 + budget tokens at once"
             )
+        config.check_hybrid(self, target_model_config)
         config.check_drafter_fits(spec["model"], target_model_config.hf_config)
         self.speculative_config = spec
         try:

@@ -72,6 +72,7 @@ class EngineState:
     # The step context, cleared by begin_step.
     batch: TreeBatch | None = None  # this step's tree requests
     path: torch.Tensor | None = None  # long [R, D+1]: this step's accepted slots, -1 pad
+    gdn_pending: list = field(default_factory=list)  # gdn.PendingCommit per linear layer
     attention_active: bool = False  # True only during the target forward
 
     def __post_init__(self) -> None:

@@ -38,10 +38,10 @@ def layer_commit(engine: EngineState, runner) -> graphs.GraphCache:
     ``dst [M]`` in every target layer of the group (made once per engine)."""
     if engine.commit is not None:
         return engine.commit
-    from ddtree.vllm_plugin.v1.prepare import target_attention_layers
+    from ddtree.vllm_plugin.v1.prepare import target_layers
 
     layers = []
-    for group, _, layer in target_attention_layers(runner):
+    for group, _, layer in target_layers(runner):
         kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
         layers.append((group, kv_cache, layer.impl))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.vllm_plugin import attention
+from ddtree.vllm_plugin import attention, gdn
 from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.state import (
     EngineState,
@@ -22,11 +22,16 @@ from ddtree.vllm_plugin.state import (
 )
 
 
-def target_attention_layers(runner):
-    """(KV-cache group, name, layer) of every attention layer of the target (not the drafter)."""
+def target_layers(runner, linear: bool = False):
+    """(KV-cache group, name, layer) of every attention layer of the target (not the drafter);
+    ``linear``: of its linear-attention (mamba-style state) layers instead."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
     context = runner.compilation_config.static_forward_context
     for group, spec in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if isinstance(spec.kv_cache_spec, MambaSpec) != linear:
+            continue
         for name in spec.layer_names:
             if name not in drafter_layers:
                 yield group, name, context[name]
@@ -34,10 +39,13 @@ def target_attention_layers(runner):
 
 def bind_layers(engine: EngineState, runner) -> None:
     """Once: check every target layer's attention backend and bind it to this engine."""
-    for group, name, layer in target_attention_layers(runner):
+    for group, name, layer in target_layers(runner):
         attention.check_impl(name, layer.impl)
         layer.impl.ddtree_binding = LayerBinding(engine, group)
         engine.layer_groups[name] = group
+    for _, name, layer in target_layers(runner, linear=True):
+        gdn.check_layer(name, layer)
+        layer.ddtree_engine = engine
 
 
 def to_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
@@ -97,6 +105,11 @@ def prepare_step(engine: EngineState, runner, scheduler_output) -> None:
     flat_rows = rows_d.flatten().index_select(0, flat_d)
     depth_positions = (context_d[:, None] + tree.depths).flatten().index_select(0, flat_d)
     runner.positions.index_copy_(0, flat_rows, depth_positions.to(runner.positions.dtype))
+    if runner.uses_mrope:  # the model reads M-RoPE positions [3, T]: the root's + depth
+        mrope = runner.mrope_positions.gpu
+        roots = rows_d[:, :1].expand(rows.shape).flatten().index_select(0, flat_d)
+        depths = tree.depths.flatten().index_select(0, flat_d).to(mrope.dtype)
+        mrope.index_copy_(1, flat_rows, mrope.index_select(1, roots) + depths)
     tables = [
         bt.get_device_tensor(num_reqs).index_select(0, index_d)
         for bt in batch.block_table.block_tables

@@ -160,8 +160,11 @@ def reorder_context(engine: EngineState, token_ids, positions, hidden_states) ->
     source = tb.rows.gather(1, order).flatten().index_select(0, tb.flat_slots)  # [N]
     token_ids.index_copy_(0, tb.flat_rows, token_ids.index_select(0, source))
     hidden_states.index_copy_(0, tb.flat_rows, hidden_states.index_select(0, source))
-    sequential = (tb.context[:, None] + slot).flatten().index_select(0, tb.flat_slots)
-    positions.index_copy_(0, tb.flat_rows, sequential.to(positions.dtype))
+    # [T] positions, or [3, T] M-RoPE ones (Qwen3.5): each slot at its root's + slot.
+    offset = slot.expand(num_reqs, -1).flatten().index_select(0, tb.flat_slots)  # [N]
+    roots = tb.rows[:, :1].expand(-1, num_slots).flatten().index_select(0, tb.flat_slots)
+    sequential = positions.index_select(-1, roots) + offset.to(positions.dtype)
+    positions.index_copy_(-1, tb.flat_rows, sequential)
 
 
 def fit_step_budgets(engine: EngineState, runner) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from ddtree.sampling import process_logits
 from ddtree.verify import walk
-from ddtree.vllm_plugin import graphs
+from ddtree.vllm_plugin import gdn, graphs
 from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.state import EngineState
 from ddtree.vllm_plugin.v1 import options
@@ -109,5 +109,7 @@ def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sam
     engine.path = acceptance.path
     engine.mark("commit")
     commit_kv(engine, runner, tb, acceptance.path)
+    if engine.gdn_pending:
+        gdn.commit(engine, acceptance.path)
     engine.mark("vllm")
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)

@@ -1,0 +1,100 @@
+"""DDTree on a hybrid Gated DeltaNet target (Qwen3.5 / 3.6 layout) in vLLM's CPU build.
+
+The target is a random tiny ``Qwen3_5ForConditionalGeneration`` (2 x (3 GDN + 1 attention)
+layers, M-RoPE) with a drafter distilled from it (``models.make_hybrid_pair``), so accepted
+paths run deep and leave the first branch. Greedy DDTree must equal no-spec token for token
+(float32, both through ``ddtree.vllm_plugin.gdn``), and no-spec must equal transformers.
+"""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("torchvision")  # vLLM's Qwen3.5 module imports Qwen2-VL's image processor
+
+from engines import assert_same_distribution, ddtree_spec, engine, greedy, token_counts  # noqa: E402
+
+from models import make_hybrid_pair  # noqa: E402
+
+pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
+
+# Mixed requests over the pair's 32 words: loops, an early and a late EOS (id 1).
+PROMPTS = ["w10 w11 w1", "w6 w7 w18", "w8 w9 w24", "w14 w15 w13"]
+SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES, VOCAB = "w6 w7 w18", 2, 240, 32
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_hybrid_pair(tmp_path_factory.mktemp("hybrid"))
+
+
+def _engine(pair, spec=None, **kwargs):
+    target, _ = pair
+    return engine(target, spec, language_model_only=True, **kwargs)
+
+
+def _acceptance(llm) -> list[int]:
+    """Accepted drafts per position, over the engine's life."""
+    (metric,) = [m for m in llm.get_metrics() if m.name.endswith("accepted_tokens_per_pos")]
+    return list(metric.values)
+
+
+def _counts(llm):
+    return token_counts(llm, SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES, VOCAB, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def no_spec(pair):
+    with _engine(pair) as llm:
+        return greedy(llm, PROMPTS), _counts(llm)
+
+
+def test_no_spec_float32_equals_transformers(pair, no_spec):
+    """vLLM refuses float32 GDN on the CPU; the plugin's chain path serves it: its greedy
+    tokens equal transformers' own Qwen3.5 (an implementation independent of both)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+
+    target, _ = pair
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
+    want, _ = no_spec
+    for prompt, (tokens, _reason) in zip(PROMPTS[:2], want, strict=False):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=len(tokens), do_sample=False, eos_token_id=1)
+        assert out[0, ids.shape[1] :].tolist() == tokens, prompt
+
+
+@pytest.mark.parametrize(
+    "budget, options",
+    [(255, {}), (64, {"ddtree_chain_seed": False})],
+    ids=["B255", "B64-no-forced-chain"],
+)
+def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options):
+    """Trees verified through the GDN layers (each node continues its parent's state and conv
+    window), accepted paths replayed into the request's state: outputs equal no-spec's, EOS
+    inside paths included. Without the forced argmax chain the accepted path runs through
+    siblings, so a commit that assumed slots 0, 1, 2, ... fails here."""
+    want, _ = no_spec
+    assert sum(reason == "stop" for _, reason in want) >= 2  # EOS mid-answer
+    _, drafter = pair
+    with _engine(pair, ddtree_spec(budget, drafter, **options), disable_log_stats=False) as llm:
+        got = greedy(llm, PROMPTS)
+        accepted = _acceptance(llm)
+    assert got == want
+    assert accepted[4] > 0, accepted  # paths at least 5 nodes deep were committed
+
+
+def test_sampling_ddtree_matches_no_spec(pair, no_spec):
+    """T=1: the generated token at a tree node has no-spec's distribution (chi-square)."""
+    _, want = no_spec
+    _, drafter = pair
+    with _engine(pair, ddtree_spec(64, drafter, ddtree_chain_seed=False)) as llm:
+        got = _counts(llm)
+    assert_same_distribution(got, want)
+
+
+def test_prefix_caching_on_a_hybrid_target_is_refused(pair):
+    _, drafter = pair
+    with pytest.raises(ValueError, match="prefix caching off"):
+        with _engine(pair, ddtree_spec(15, drafter), enable_prefix_caching=True):
+            pass
