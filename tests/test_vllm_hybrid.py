@@ -27,9 +27,18 @@ def pair(tmp_path_factory):
     return make_hybrid_pair(tmp_path_factory.mktemp("hybrid"))
 
 
+MAX_MODEL_LEN = 384
+
+
 def _engine(pair, spec=None, **kwargs):
     target, _ = pair
-    return engine(target, spec, language_model_only=True, **kwargs)
+    return engine(target, spec, language_model_only=True, max_model_len=MAX_MODEL_LEN, **kwargs)
+
+
+def _to_context_end(llm):
+    """Every request runs into max_model_len: the last trees are cut where the context ends."""
+    params = vllm.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
 
 
 def _acceptance(llm) -> list[int]:
@@ -45,7 +54,7 @@ def _counts(llm):
 @pytest.fixture(scope="module")
 def no_spec(pair):
     with _engine(pair) as llm:
-        return greedy(llm, PROMPTS), _counts(llm)
+        return greedy(llm, PROMPTS), _counts(llm), _to_context_end(llm)
 
 
 def test_no_spec_float32_equals_transformers(pair, no_spec):
@@ -57,7 +66,7 @@ def test_no_spec_float32_equals_transformers(pair, no_spec):
     target, _ = pair
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
-    want, _ = no_spec
+    want, _, _ = no_spec
     for prompt, (tokens, _reason) in zip(PROMPTS[:2], want, strict=False):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=len(tokens), do_sample=False, eos_token_id=1)
@@ -72,21 +81,25 @@ def test_no_spec_float32_equals_transformers(pair, no_spec):
 def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options):
     """Trees verified through the GDN layers (each node continues its parent's state and conv
     window), accepted paths replayed into the request's state: outputs equal no-spec's, EOS
-    inside paths included. Without the forced argmax chain the accepted path runs through
-    siblings, so a commit that assumed slots 0, 1, 2, ... fails here."""
-    want, _ = no_spec
+    inside paths included, and (B=255) up to the end of the context. Without the forced argmax
+    chain the accepted path runs through siblings, so a commit that assumed slots 0, 1, 2, ...
+    fails here."""
+    want, _, want_to_end = no_spec
     assert sum(reason == "stop" for _, reason in want) >= 2  # EOS mid-answer
     _, drafter = pair
     with _engine(pair, ddtree_spec(budget, drafter, **options), disable_log_stats=False) as llm:
         got = greedy(llm, PROMPTS)
         accepted = _acceptance(llm)
+        got_to_end = _to_context_end(llm) if budget == 255 else want_to_end
     assert got == want
     assert accepted[4] > 0, accepted  # paths at least 5 nodes deep were committed
+    assert all(len(t) > MAX_MODEL_LEN - 16 for t in want_to_end)
+    assert got_to_end == want_to_end
 
 
 def test_sampling_ddtree_matches_no_spec(pair, no_spec):
     """T=1: the generated token at a tree node has no-spec's distribution (chi-square)."""
-    _, want = no_spec
+    _, want, _ = no_spec
     _, drafter = pair
     with _engine(pair, ddtree_spec(64, drafter, ddtree_chain_seed=False)) as llm:
         got = _counts(llm)
