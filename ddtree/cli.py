@@ -68,13 +68,14 @@ TINY_FILE_STRIDE = 20  # --tiny trains on every 20th training file (~0.5 M of ~1
 
 
 def _train(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ddtree.train.data import read_texts, stdlib_files, token_stream
     from ddtree.train.recipes import (
         DrafterRecipe,
         TargetRecipe,
         distill_stream,
+        load_target,
         train_drafter,
         train_target,
     )
@@ -96,10 +97,12 @@ def _train(args: argparse.Namespace) -> int:
     stream = token_stream(tokenizer, texts, tokenizer.convert_tokens_to_ids(EOS))
     print(f"token stream: {stream.numel() / 1e6:.2f} M tokens")
     if args.what in ("target", "all"):
-        recipe = TargetRecipe(steps=args.target_steps, seed=args.seed, **_small(args, "target"))
+        recipe = TargetRecipe(
+            arch=args.arch, steps=args.target_steps, seed=args.seed, **_small(args, "target")
+        )
         target = train_target(stream, tokenizer, out / "target", recipe, device)
     else:
-        target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
+        target = load_target(out / "target")
     if args.what in ("drafter", "all"):
         recipe = DrafterRecipe(
             steps=args.drafter_steps,
@@ -147,14 +150,10 @@ def _small(args: argparse.Namespace, which: str) -> dict:
     if not args.tiny:
         return {}
     if which == "target":
-        return {
-            "hidden_size": 32,
-            "num_layers": 6,
-            "intermediate_size": 64,
-            "seq_len": 64,
-            "batch": 4,
-            "warmup": 2,
-        }
+        shapes = {"hidden_size": 32, "num_layers": 6, "intermediate_size": 64}
+        if args.arch == "qwen3_5":  # heads of 32: vLLM's CPU attention serves no smaller
+            shapes.update(hidden_size=64, num_heads=2, num_kv_heads=1)
+        return {**shapes, "seq_len": 64, "batch": 4, "warmup": 2}
     if which == "distill":  # one generate call of 16 x 64 tokens covers the default 1024
         return {"length": 64, "prompt_len": 16, "batch": 16}
     return {"seq_len": 64, "batch": 4, "anchors": 4, "warmup": 2}
@@ -296,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="load the distilled stream from this file, or save it there",
+    )
+    train.add_argument(
+        "--arch",
+        choices=("qwen3", "qwen3_5"),  # ddtree.train.recipes.ARCHS (not imported: transformers)
+        default="qwen3",
+        help="the target: qwen3 (dense) or qwen3_5 (hybrid Gated DeltaNet, Qwen3.6's layout)",
     )
     train.add_argument("--drafter-layers", type=int, default=3)
     train.add_argument(

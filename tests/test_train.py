@@ -4,6 +4,7 @@ import json
 import logging
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,3 +96,20 @@ class _TransformersWarnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def test_hybrid_target_has_qwen36s_layout():
+    """``--arch qwen3_5``: every 4th layer full attention, the rest Gated DeltaNet, M-RoPE
+    sections splitting half the rotary dims (Qwen3.6-27B: head 256 -> [11, 11, 10])."""
+    from ddtree.train.recipes import TargetRecipe, target_config
+
+    tokenizer = type("Tok", (), {"eos_token_id": 0, "__len__": lambda self: 512})()
+    recipe = TargetRecipe(arch="qwen3_5", hidden_size=1024, num_heads=4, num_layers=8)
+    config = target_config(recipe, tokenizer)
+    assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
+    text = config.get_text_config()
+    assert text.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert text.rope_parameters["mrope_section"] == [11, 11, 10]
+    assert text.vocab_size == 512
+    with pytest.raises(ValueError, match="arch must be one of"):
+        target_config(TargetRecipe(arch="llama"), tokenizer)

@@ -111,3 +111,19 @@ def test_prefix_caching_on_a_hybrid_target_is_refused(pair):
     with pytest.raises(ValueError, match="prefix caching off"):
         with _engine(pair, ddtree_spec(15, drafter), enable_prefix_caching=True):
             pass
+
+
+def test_trained_tiny_hybrid_pair_is_served(tmp_path):
+    """``ddtree train all --tiny --arch qwen3_5`` writes a pair vLLM loads and DDTree serves
+    (greedy equal to no-spec)."""
+    from ddtree.cli import main
+
+    out = tmp_path / "m"
+    assert main(["train", "all", "--out", str(out), "--tiny", "--arch", "qwen3_5"]) == 0
+    prompts = ["def f(x):\n    return", "import os\n"]
+    params = vllm.SamplingParams(temperature=0, max_tokens=24)
+    outs = []
+    for spec in (None, ddtree_spec(32, out / "drafter")):
+        with engine(out / "target", spec, language_model_only=True) as llm:
+            outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]

@@ -21,9 +21,12 @@ from ddtree.dflash import DFlashDraftModel, save_drafter
 from ddtree.train.data import sample_windows
 from ddtree.train.loop import autocast, seed_everything, train_loop
 
+ARCHS = ("qwen3", "qwen3_5")
+
 
 @dataclass
 class TargetRecipe:
+    arch: str = "qwen3"  # qwen3: dense; qwen3_5: hybrid (Gated DeltaNet + every 4th attention)
     hidden_size: int = 256
     num_layers: int = 6
     num_heads: int = 4
@@ -54,24 +57,89 @@ class DrafterRecipe:
     time_limit: float | None = None  # seconds; stop early (after a checkpoint) once passed
 
 
-def train_target(stream, tokenizer, out: Path, recipe: TargetRecipe, device) -> Qwen3ForCausalLM:
-    """Train a Qwen3 target on the token ``stream`` and save it (bf16) with ``tokenizer``."""
-    gen = seed_everything(recipe.seed)
-    config = Qwen3Config(
+def target_config(recipe: TargetRecipe, tokenizer):
+    """The target's config: a Qwen3 (dense), or a Qwen3.5 in the layout of Qwen3.6-27B, i.e.
+    ``Qwen3_5ForConditionalGeneration`` with every 4th layer full attention and the others
+    Gated DeltaNet, interleaved M-RoPE on a quarter of each head, and a one-block vision tower
+    (the checkpoint vLLM loads as Qwen3.6; text prompts never run the tower)."""
+    if recipe.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {recipe.arch!r}")
+    head_dim = recipe.hidden_size // recipe.num_heads
+    text = dict(
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
         num_hidden_layers=recipe.num_layers,
         num_attention_heads=recipe.num_heads,
         num_key_value_heads=recipe.num_kv_heads,
-        head_dim=recipe.hidden_size // recipe.num_heads,
+        head_dim=head_dim,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
-    model = Qwen3ForCausalLM(config).to(device).train()
+    if recipe.arch == "qwen3":
+        return Qwen3Config(**text, tie_word_embeddings=True)
+    from transformers import Qwen3_5Config
+
+    half_rotary = max(1, head_dim // 8)  # rotary on head_dim / 4, M-RoPE splits its half
+    sections = [half_rotary // 3 + (i < half_rotary % 3) for i in range(3)]
+    text.update(
+        layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+            for i in range(recipe.num_layers)
+        ],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=recipe.num_kv_heads,
+        linear_num_value_heads=recipe.num_heads,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": sections,
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=recipe.hidden_size,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return config
+
+
+def load_target(path: Path, dtype=torch.float32):
+    """A target saved by :func:`train_target`, either architecture."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    if AutoConfig.from_pretrained(path).model_type == "qwen3_5":
+        return Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def train_target(stream, tokenizer, out: Path, recipe: TargetRecipe, device):
+    """Train a target (``recipe.arch``) on the token ``stream``; save it (bf16) with
+    ``tokenizer``."""
+    gen = seed_everything(recipe.seed)
+    config = target_config(recipe, tokenizer)
+    if recipe.arch == "qwen3":
+        model = Qwen3ForCausalLM(config)
+    else:
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration(config)
+    model = model.to(device).train()
 
     def loss_fn(step: int) -> torch.Tensor:
         batch = sample_windows(stream, recipe.batch, recipe.seq_len + 1, gen).to(device)
