@@ -74,27 +74,31 @@ def test_no_spec_float32_equals_transformers(pair, no_spec):
 
 
 @pytest.mark.parametrize(
-    "budget, options",
-    [(255, {}), (64, {"ddtree_chain_seed": False})],
-    ids=["B255", "B64-no-forced-chain"],
+    "budget, options, blocks",
+    [(255, {"ddtree_chain_seed": False}, None), (15, {}, 8)],
+    ids=["B255-no-forced-chain", "B15-preempted"],
 )
-def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options):
+def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options, blocks):
     """Trees verified through the GDN layers (each node continues its parent's state and conv
     window), accepted paths replayed into the request's state: outputs equal no-spec's, EOS
-    inside paths included, and (B=255) up to the end of the context. Without the forced argmax
-    chain the accepted path runs through siblings, so a commit that assumed slots 0, 1, 2, ...
-    fails here."""
+    inside paths included, and up to the end of the context. Without the forced argmax chain
+    the accepted path runs through siblings, so a commit that assumed slots 0, 1, 2, ... fails
+    here. With 8 cache blocks for 4 requests (one state block each: DDTree does not take
+    vLLM's 1 + B) requests are preempted and recomputed."""
     want, _, want_to_end = no_spec
     assert sum(reason == "stop" for _, reason in want) >= 2  # EOS mid-answer
-    _, drafter = pair
-    with _engine(pair, ddtree_spec(budget, drafter, **options), disable_log_stats=False) as llm:
-        got = greedy(llm, PROMPTS)
-        accepted = _acceptance(llm)
-        got_to_end = _to_context_end(llm) if budget == 255 else want_to_end
-    assert got == want
-    assert accepted[4] > 0, accepted  # paths at least 5 nodes deep were committed
     assert all(len(t) > MAX_MODEL_LEN - 16 for t in want_to_end)
+    _, drafter = pair
+    spec = ddtree_spec(budget, drafter, **options)
+    with _engine(pair, spec, disable_log_stats=False, num_gpu_blocks_override=blocks) as llm:
+        got = greedy(llm, PROMPTS)
+        got_to_end = _to_context_end(llm)
+        accepted = _acceptance(llm)
+        preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert got == want
     assert got_to_end == want_to_end
+    assert accepted[4] > 0, accepted  # paths at least 5 nodes deep were committed
+    assert (preempted > 0) == (blocks is not None), preempted
 
 
 def test_sampling_ddtree_matches_no_spec(pair, no_spec):

@@ -65,9 +65,38 @@ def install() -> None:
             return vllm_core(mixed_qkv, b, a, core_attn_out, layer_name)
         gdn_core(layer, metadata[layer.prefix], mixed_qkv, b, a, core_attn_out, engine)
 
+    _patch_state_allocation()
+
     # torch infers the custom op's schema from the signature: vLLM's, annotations resolved.
     cpu_gdn_attention_core.__signature__ = inspect.signature(vllm_core, eval_str=True)
     replace(gdn_attention, "cpu_gdn_attention_core", cpu_gdn_attention_core)
+
+
+def _patch_state_allocation() -> None:
+    """A DDTree engine keeps one state per request: vLLM's chain rollback would allocate
+    ``1 + B`` state blocks and ``W - 1 + B`` conv columns per request and layer (at Qwen3.6-27B
+    shapes about 144 MiB per block), none of which the tree path reads."""
+    import dataclasses
+
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    from ddtree.vllm_plugin.config import options_of
+    from ddtree.vllm_plugin.hooks import wrap
+
+    @wrap(QwenGatedDeltaNetAttention, "__init__")
+    def __init__(original, self, config, vllm_config, *args, **kwargs):
+        original(self, config, vllm_config, *args, **kwargs)
+        if options_of(vllm_config.speculative_config) is not None:
+            self.num_spec = 0  # the conv state keeps W - 1 columns (get_state_shape)
+
+    @wrap(QwenGatedDeltaNetAttention, "get_kv_cache_spec")
+    def get_kv_cache_spec(original, self, vllm_config):
+        spec = original(self, vllm_config)
+        if options_of(vllm_config.speculative_config) is None:
+            return spec
+        return dataclasses.replace(spec, num_speculative_blocks=0)
 
 
 def check_layer(name: str, layer) -> None:
