@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -145,7 +146,7 @@ def hybrid_target_config(vocab: int = 32, hidden: int = 64, groups: int = 2):
     return config
 
 
-def make_hybrid_pair(out: Path, seed: int = 0) -> tuple[Path, Path]:
+def make_hybrid_pair(out: Path, seed: int = 0, decay: float = 0.02) -> tuple[Path, Path]:
     """``out/target``: a random tiny Qwen3.5 over 32 words (sharp head: it falls into loops);
     ``out/drafter``: a 1-layer DFlash drafter distilled from its greedy continuations (~15 s on
     2 cores), so that DDTree accepts paths several nodes deep, off the first branch too."""
@@ -159,6 +160,9 @@ def make_hybrid_pair(out: Path, seed: int = 0) -> tuple[Path, Path]:
     target = Qwen3_5ForConditionalGeneration(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(20)
+        for layer in target.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):  # slow decay: states remember many tokens, so
+                layer.linear_attn.A_log.fill_(math.log(decay))  # a wrong state shows in outputs
     target.save_pretrained(out / "target")
     save_word_tokenizer(out / "target", vocab)
     cpu = torch.device("cpu")

@@ -18,7 +18,7 @@ from models import make_hybrid_pair  # noqa: E402
 pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
 # Mixed requests over the pair's 32 words: loops, an early and a late EOS (id 1).
-PROMPTS = ["w10 w11 w1", "w6 w7 w18", "w8 w9 w24", "w14 w15 w13"]
+PROMPTS = ["w3 w21 w9", "w11 w19 w4", "w6 w7 w18", "w14 w15 w13"]
 SAMPLED_PROMPT, SAMPLED_INDEX, SAMPLES, VOCAB = "w6 w7 w18", 2, 240, 32
 
 
@@ -71,6 +71,19 @@ def test_no_spec_float32_equals_transformers(pair, no_spec):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=len(tokens), do_sample=False, eos_token_id=1)
         assert out[0, ids.shape[1] :].tolist() == tokens, prompt
+
+
+def test_vllm_dflash_chain_equals_no_spec(pair, no_spec):
+    """The control: vLLM's own DFlash chain on the hybrid pair (its float32 chain verify served
+    by the plugin the way vLLM's bf16 CPU kernels do it: a state block per draft)."""
+    want, _, _ = no_spec
+    _, drafter = pair
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
+    with _engine(pair, spec, disable_log_stats=False) as llm:
+        got = greedy(llm, PROMPTS)
+        accepted = _acceptance(llm)
+    assert got == want
+    assert accepted[4] > 0, accepted
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ module replaces the op's body where it cannot serve:
   :func:`ddtree.gdn.tree_conv1d` / :func:`ddtree.gdn.tree_gdn` (each node continues its
   parent), nothing written during the verify; after the walk, :func:`commit` replays each
   accepted path (:func:`ddtree.gdn.replay_path`) into the request's state;
-* float32 in any engine without speculative decoding (vLLM refuses it: "CPU GDN attention
-  requires BF16"), so the CPU tests compare DDTree with no-spec at float32.
+* float32 in any other engine (vLLM refuses it: "CPU GDN attention requires BF16"), its
+  chain verify as vLLM's CPU kernels do it, so that the CPU tests compare DDTree with
+  no-spec and with vLLM's DFlash chain at float32.
 
 Where a request's state lives, in a DDTree engine: its first state block
 (``block_table[:, 0]``, the slot vLLM's prefill writes) and the first ``W-1`` columns of that
@@ -172,20 +173,22 @@ def gdn_core(layer, md, mixed_qkv, b, a, core_attn_out, engine) -> None:
 
     if md.spec_sequence_masks is None:
         return
-    if engine is None:
-        raise NotImplementedError(
-            "float32 GDN layers with vLLM's own speculative decoding are not supported on the "
-            "CPU (vLLM's kernels are bf16 only): use dtype bfloat16, or method ddtree"
-        )
+    if engine is None:  # vLLM's own chain (e.g. DFlash) at float32
+        _chain_verify(layer, md, conv, ssm, weight, rows_of, features, core_attn_out)
+        return
     tb = engine.batch
-    member_of_root = {row: r for r, row in enumerate(tb.rows[:, 0].tolist())}
+    member_of_root = {} if tb is None else {r: m for m, r in enumerate(tb.rows[:, 0].tolist())}
     starts = md.spec_query_start_loc.tolist()
     slot0 = md.spec_state_indices_tensor[:, 0].tolist()
     index = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
     pending = PendingCommit(layer, [], [], [], [], [])
     for i in range(md.num_spec_decodes):
         rows = rows_of(index, starts[i], starts[i + 1])
-        member = member_of_root[int(rows[0])]
+        member = member_of_root.get(int(rows[0]))
+        if member is None:  # a decode without drafts in a speculative step: a plain step
+            out = _chain(layer, conv, ssm, weight, slot0[i], True, *features(rows))
+            core_attn_out.index_copy_(0, rows, out.to(core_attn_out.dtype))
+            continue
         parents = tb.tree.parents[member, : rows.numel()][None]  # [1, N]
         x, a_rows, b_rows = features(rows)
         conv_state = conv[slot0[i], :, : width - 1][None].clone()  # [1, C, W-1]
@@ -223,6 +226,37 @@ def commit(engine, path: torch.Tensor) -> None:
             ssm[slot].copy_(new_state[0].transpose(-1, -2))
             conv[slot, :, : new_conv.shape[-1]].copy_(new_conv[0])
     engine.gdn_pending.clear()
+
+
+def _chain_verify(layer, md, conv, ssm, weight, rows_of, features, core_attn_out) -> None:
+    """vLLM's chain verify, as its CPU kernels do it (``_spec_forward``): request i resumes
+    from state block ``num_accepted - 1`` and conv columns ``num_accepted - 1 ..``, keeps the
+    state after its t-th token in block t, and rolls its conv buffer by the accepted count."""
+    width = weight.shape[1]
+    state_len = conv.shape[-1]
+    starts = md.spec_query_start_loc.tolist()
+    blocks = md.spec_state_indices_tensor.tolist()
+    accepted = md.num_accepted_tokens.tolist()
+    index = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
+    for i in range(md.num_spec_decodes):
+        rows = rows_of(index, starts[i], starts[i + 1])
+        x, a_rows, b_rows = features(rows)
+        n, offset = x.shape[0], accepted[i] - 1
+        buffer = conv[blocks[i][0]]  # [C, state_len]
+        conv_state = buffer[:, offset : offset + width - 1][None]
+        chain = torch.arange(-1, n - 1, device=x.device)[None]
+        x_conv = gdn.tree_conv1d(
+            x[None], conv_state, chain, weight, layer.conv1d.bias, _activation(layer)
+        )
+        q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
+        g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
+        state = ssm[blocks[i][offset]].transpose(-1, -2)[None]
+        out, states = gdn.chain_gdn(q, k, v, g[None], beta[None], state)
+        for t in range(n):
+            ssm[blocks[i][t]].copy_(states[0, t].transpose(-1, -2))
+        kept = buffer[:, offset + 1 : offset + 1 + state_len - n]
+        buffer.copy_(torch.cat([kept, x.t().to(buffer.dtype)], -1))
+        core_attn_out.index_copy_(0, rows, out[0].to(core_attn_out.dtype))
 
 
 def _activation(layer) -> str | None:
