@@ -325,3 +325,23 @@ def test_budget_per_batch_size_option():
         parse_options(
             {**base, "ddtree_budget_per_batch_size": [[1, 4, 8]], "ddtree_max_verify_tokens": 99}
         )
+
+
+def test_hybrid_targets_refused_on_cuda_and_with_prefix_caching(monkeypatch):
+    """Hybrid (Gated DeltaNet) targets: CPU build only, prefix caching off; dense targets pass."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from ddtree.vllm_plugin.config import check_hybrid
+
+    hybrid = SimpleNamespace(is_hybrid=True, architecture="Qwen3_5ForConditionalGeneration")
+    dense = SimpleNamespace(is_hybrid=False, architecture="Qwen3ForCausalLM")
+    args = SimpleNamespace(enable_prefix_caching=None)
+    check_hybrid(args, hybrid)
+    with pytest.raises(ValueError, match="prefix caching off"):
+        check_hybrid(SimpleNamespace(enable_prefix_caching=True), hybrid)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    check_hybrid(args, dense)
+    with pytest.raises(NotImplementedError, match="CPU build only"):
+        check_hybrid(args, hybrid)
