@@ -61,6 +61,7 @@ def prepare_step(engine: EngineState, runner, scheduler_output) -> None:
     """Collect this step's tree requests into ``engine.batch``; write their depth positions."""
     engine.mark("prepare")
     proposal, proposed = engine.begin_step()
+    engine.gdn_pending.clear()  # a forward without a tree sample leaves nothing to commit
     if not engine.layer_groups:
         bind_layers(engine, runner)
     batch = runner.input_batch
