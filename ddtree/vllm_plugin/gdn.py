@@ -14,10 +14,10 @@ module replaces the op's body where it cannot serve:
 
 Where a request's state lives, in a DDTree engine: its first state block
 (``block_table[:, 0]``, the slot vLLM's prefill writes) and the first ``W-1`` columns of that
-block's conv buffer, whatever vLLM's ``num_accepted_tokens`` says; the extra spec blocks vLLM
-allocates per draft are not used. The ssm cache is read as vLLM's CPU kernels read it,
-``[slots, HV, K, V]`` (``ops/cpu/gdn_attention.py: _ssm_state_view``), the transpose of
-:mod:`ddtree.gdn`'s ``[HV, V, K]``.
+block's conv buffer, whatever vLLM's ``num_accepted_tokens`` says; the per-draft state blocks
+and conv columns of vLLM's chain rollback are not allocated for DDTree engines. The ssm cache
+is read as vLLM's CPU kernels read it, ``[slots, HV, K, V]`` (``ops/cpu/gdn_attention.py:
+_ssm_state_view``), the transpose of :mod:`ddtree.gdn`'s ``[HV, V, K]``.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def gdn_core(layer, md, mixed_qkv, b, a, core_attn_out, engine) -> None:
         conv_state = conv[slot0[i], :, : width - 1][None].clone()  # [1, C, W-1]
         state = ssm[slot0[i]].transpose(-1, -2)[None].clone()  # [1, HV, V, K]
         x_conv = gdn.tree_conv1d(
-            x[None], conv_state, parents, weight, layer.conv1d.bias, _activation(layer)
+            x[None], conv_state, parents, weight, layer.conv1d.bias, layer.activation
         )
         q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
         g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
@@ -246,7 +246,7 @@ def _chain_verify(layer, md, conv, ssm, weight, rows_of, features, core_attn_out
         conv_state = buffer[:, offset : offset + width - 1][None]
         chain = torch.arange(-1, n - 1, device=x.device)[None]
         x_conv = gdn.tree_conv1d(
-            x[None], conv_state, chain, weight, layer.conv1d.bias, _activation(layer)
+            x[None], conv_state, chain, weight, layer.conv1d.bias, layer.activation
         )
         q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
         g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
@@ -259,10 +259,6 @@ def _chain_verify(layer, md, conv, ssm, weight, rows_of, features, core_attn_out
         core_attn_out.index_copy_(0, rows, out[0].to(core_attn_out.dtype))
 
 
-def _activation(layer) -> str | None:
-    return layer.activation if layer.activation in ("silu", "swish") else None
-
-
 def _chain(layer, conv, ssm, weight, slot, has_state, x, a_rows, b_rows) -> torch.Tensor:
     """One request's rows as a chain from its state block; the block updated in place."""
     width = weight.shape[1]
@@ -272,7 +268,7 @@ def _chain(layer, conv, ssm, weight, slot, has_state, x, a_rows, b_rows) -> torc
         conv_state = torch.zeros_like(conv_state)
     parents = torch.arange(-1, n - 1, device=x.device)[None]  # a chain is a tree
     x_conv = gdn.tree_conv1d(
-        x[None], conv_state[None], parents, weight, layer.conv1d.bias, _activation(layer)
+        x[None], conv_state[None], parents, weight, layer.conv1d.bias, layer.activation
     )
     q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
     g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
