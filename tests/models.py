@@ -98,64 +98,29 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def hybrid_target_config(vocab: int = 32, hidden: int = 64, groups: int = 2):
-    """A tiny Qwen3.5 (``Qwen3_5ForConditionalGeneration``, what vLLM loads Qwen3.6-27B as):
-    ``groups`` x (3 Gated DeltaNet + 1 attention) layers, interleaved M-RoPE, a 1-block vision
-    tower that text prompts never run. Head sizes are multiples of 32 as vLLM's CPU kernels
-    want."""
-    from transformers import Qwen3_5Config
-
-    text = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=4 * groups,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * groups,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-    )
-    vision = dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=hidden,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=16,
-    )
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    return config
-
-
 def make_hybrid_pair(out: Path, seed: int = 0, decay: float = 0.02) -> tuple[Path, Path]:
     """``out/target``: a random tiny Qwen3.5 over 32 words (sharp head: it falls into loops);
     ``out/drafter``: a 1-layer DFlash drafter distilled from its greedy continuations (~15 s on
     2 cores), so that DDTree accepts paths several nodes deep, off the first branch too."""
-    from transformers import Qwen3_5ForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 
-    from ddtree.train.recipes import DrafterRecipe, distill_stream, train_drafter
+    from ddtree.train.recipes import (
+        DrafterRecipe,
+        TargetRecipe,
+        distill_stream,
+        target_config,
+        train_drafter,
+    )
 
-    config = hybrid_target_config()
-    vocab = config.text_config.vocab_size
+    vocab = 32
+    save_word_tokenizer(out / "target", vocab)
+    # ``ddtree train --arch qwen3_5``'s layout: 2 x (3 GDN + 1 attention) layers, interleaved
+    # M-RoPE; heads of 32 as vLLM's CPU kernels want.
+    shapes = TargetRecipe(
+        arch="qwen3_5", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=8,
+        intermediate_size=128,
+    )  # fmt: skip
+    config = target_config(shapes, AutoTokenizer.from_pretrained(out / "target"))
     torch.manual_seed(seed)
     target = Qwen3_5ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -164,7 +129,6 @@ def make_hybrid_pair(out: Path, seed: int = 0, decay: float = 0.02) -> tuple[Pat
             if hasattr(layer, "linear_attn"):  # slow decay: states remember many tokens, so
                 layer.linear_attn.A_log.fill_(math.log(decay))  # a wrong state shows in outputs
     target.save_pretrained(out / "target")
-    save_word_tokenizer(out / "target", vocab)
     cpu = torch.device("cpu")
     prompts = torch.randint(2, vocab - 1, (20000,), generator=torch.Generator().manual_seed(seed))
     stream = distill_stream(
