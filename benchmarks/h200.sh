@@ -9,6 +9,9 @@
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh sched    # the pair bench with a budget per batch size (~4 min)
+#   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
+#                                    # process session (outlives the call), results in /tmp/res
+#   bash benchmarks/h200.sh collect 580  # wait up to 580 s for them; one <mode>.tgz each to $OUT
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -91,8 +94,26 @@ sched)
   tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
   tail -30 "$OUT/bench_sched.txt"
   ;;
+detach)
+  shift
+  mkdir -p /tmp/res && rm -f /tmp/res/done
+  setsid nohup bash -c 'for m; do OUT=/tmp/res/$m bash benchmarks/h200.sh $m > /tmp/res/$m.log 2>&1;
+    touch /tmp/res/$m.done; done; touch /tmp/res/done' _ "$@" > /dev/null 2>&1 < /dev/null &
+  echo "detached: $*"
+  ;;
+collect)
+  end=$((SECONDS + ${2:-580}))
+  while [ ! -f /tmp/res/done ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  for d in /tmp/res/*/; do
+    m=$(basename "$d")
+    [ -f "/tmp/res/$m.done" ] || { echo "== $m: running"; tail -5 "/tmp/res/$m.log"; continue; }
+    tar czf "$OUT/$m.tgz" -C /tmp/res "$m" "$m.log"
+    echo "== $m"; tail -25 "/tmp/res/$m.log"
+  done
+  [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree|gdn" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree|gdn|detach MODES|collect S" >&2
   exit 2
   ;;
 esac
