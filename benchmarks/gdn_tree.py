@@ -5,8 +5,8 @@ Shapes: 16 key heads, 48 value heads, head size 128 (Qwen3.6-27B's linear-attent
 bf16 q/k/v, float32 state. For T tokens per request (T = 1 + B tree slots, or a T-token chain):
 
 - ``tree_ms``: ``tree_gdn_fused`` on a DDTree tree of budget T - 1 (depth 15, random drafts);
-- ``chain_ms``: vLLM's ``fused_recurrent_gated_delta_rule`` on a chain of T tokens (what a
-  DFlash chain's verify runs per GDN layer, the final state written in place);
+- ``chain_ms``: vLLM's ``fused_recurrent_gated_delta_rule`` on a chain of T tokens as a DFlash
+  chain's verify calls it per GDN layer (varlen, every token's state written to its own slot);
 - ``tree_err`` / ``chain_err``: max |out - float64 reference| / RMS(reference) (the tree's
   reference: ``ddtree.gdn.tree_gdn``; the chain's: ``ddtree.gdn.chain_gdn``), at batch 1.
 
@@ -56,11 +56,21 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
     def tree():
         tree_gdn_fused(q, k, v, g, beta, state, ancestors, depths, use_qk_l2norm=True, out=out)
 
-    def chain():
-        fused_recurrent_gated_delta_rule(
-            q, k, v, g, beta, initial_state=state.clone(), inplace_final_state=True,
-            use_qk_l2norm_in_kernel=True,
+    # vLLM's chain verify: requests flattened with cu_seqlens, every token's state written to
+    # its own slot (slot 0 is vLLM's null block), the start state read from slot [b, 0].
+    flat = [t.reshape(1, batch * tokens, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    cu_seqlens = torch.arange(0, batch * tokens + 1, tokens, device="cuda", dtype=torch.int32)
+    slots = torch.arange(1, batch * tokens + 1, device="cuda", dtype=torch.int32)
+    slots = slots.view(batch, tokens)
+    pool = torch.zeros(1 + batch * tokens, HEADS_V, DIM, DIM, device="cuda")
+    accepted = torch.ones(batch, dtype=torch.int32, device="cuda")
+
+    def chain():  # (timed repeats start from the last call's states: same work)
+        got, _ = fused_recurrent_gated_delta_rule(
+            *flat, initial_state=pool, inplace_final_state=True, cu_seqlens=cu_seqlens,
+            ssm_state_indices=slots, num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
+        return got.view(batch, tokens, HEADS_V, DIM)
 
     row = {"batch": batch, "tokens": tokens}
     row["tree_ms"] = timed(tree, "cuda", 20) * 1e3
@@ -72,12 +82,9 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
     double = [t.double() for t in (q, k, v, g, beta)]
     want, _ = tree_gdn(*double, state.double(), trees.parents)
     row["tree_err"] = _error(out, want)
-    got, _ = fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state.clone(), inplace_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
     want, _ = chain_gdn(*double, state.double())
-    row["chain_err"] = _error(got, want)
+    pool[slots[:, 0].long()] = state
+    row["chain_err"] = _error(chain(), want)
     return row
 
 

@@ -9,6 +9,7 @@
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh sched    # the pair bench with a budget per batch size (~4 min)
+#   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
 #   bash benchmarks/h200.sh collect 580  # wait up to 580 s for them; one <mode>.tgz each to $OUT
@@ -46,6 +47,9 @@ check)
   ;;
 numerics)
   numerics
+  ;;
+eq)
+  equality 400 "${EQ_CASES:?EQ_CASES: comma-separated cases of benchmarks/vllm_gpu_equality.py}"
   ;;
 bench)
   timeout 300 python3 -m ddtree.cli bench --methods ar,dflash,ddtree --budgets 15,63,255 \
@@ -113,7 +117,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree|gdn|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree|gdn|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac

@@ -144,8 +144,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
             # the front end (this process) until this case equals no-spec on the GPU.
             from ddtree.vllm_plugin import requests
 
-            for name in ("logprobs", "min_p", "min_tokens", "logit_bias", "allowed_token_ids"):
-                requests.REFUSED_V2.pop(name, None)
+            for option in ("logprobs", "min_p", "min_tokens", "logit_bias", "allowed_token_ids"):
+                requests.REFUSED_V2.pop(option, None)
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),
@@ -208,6 +208,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         "spec_metrics": metrics,
     }
     (out / f"{name}.json").write_text(json.dumps(result) + "\n")
+    print(f"wrote {out / f'{name}.json'}", flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 

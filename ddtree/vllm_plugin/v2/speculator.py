@@ -44,6 +44,18 @@ def make_speculator_class(base):
             )
             self._fused_buffers = {}  # batch size -> ddtree.kernels.TreeBuffers
 
+        def init_cudagraph_manager(self, cudagraph_mode):
+            # The drafter always runs 1 + D queries per request: its graphs must not follow
+            # the verify's budget per batch size (vLLM derives query lengths from it).
+            spec = self.vllm_config.speculative_config
+            saved = spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size
+            spec.num_speculative_tokens = self.num_speculative_steps
+            spec.num_speculative_tokens_per_batch_size = None
+            try:
+                super().init_cudagraph_manager(cudagraph_mode)
+            finally:
+                spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size = saved
+
         def _copy_request_inputs(self, num_reqs, idx_mapping, temperature, seeds):
             super()._copy_request_inputs(num_reqs, idx_mapping, temperature, seeds)
             # Padded rows of the drafter's graph store their trees in the tables' spare row.
