@@ -48,7 +48,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # from 3). max_model_len is 1024, or 4 x the budget where that is more.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
 # pairopts: the pair with per-request options the V2 runner serves (one set per request),
-# compared with no-spec under the same options, logprobs included.
+# compared with no-spec under the same options, logprobs included (the check behind their
+# removal from ddtree.vllm_plugin.requests.REFUSED_V2).
 OPTIONS = [
     dict(logit_bias={297: 4.0}),
     dict(min_tokens=90),
@@ -139,13 +140,6 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
         if method.startswith("ddtreesched_"):  # the scheduler verifies 15 of B at 3+ requests
             spec["ddtree_budget_per_batch_size"] = [[1, 2, budget], [3, 8, 15]]
-        if kind == "pairopts":
-            # The case that decides whether the V2 runner may serve these: wired, refused in
-            # the front end (this process) until this case equals no-spec on the GPU.
-            from ddtree.vllm_plugin import requests
-
-            for option in ("logprobs", "min_p", "min_tokens", "logit_bias", "allowed_token_ids"):
-                requests.REFUSED_V2.pop(option, None)
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),

@@ -260,18 +260,24 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
 
 def test_request_options_refused_per_runner():
     """The V1 runner serves every option of the sampling distribution, logprobs and structured
-    output (without a reasoning parser); the V2 runner refuses them by name for now, pointing
-    at the V1 runner; neutral values are never refused."""
+    output (without a reasoning parser); the V2 runner serves those vLLM's V2 sampler applies
+    per row (checked on the H200: GPU equality case pairopts) and refuses the ones that need a
+    node's own history or grammar state by name, pointing at the V1 runner; neutral values
+    are never refused."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     from ddtree.vllm_plugin.requests import REFUSED_V2, unsupported_request
 
-    served_on_v1 = {
+    served_on_both = {
         "logprobs": 0,
         "min_p": 0.1,
         "min_tokens": 3,
         "logit_bias": {5: 1.0},
         "allowed_token_ids": [1, 2],
+        "top_k": 5,
+        "top_p": 0.9,
+    }
+    served_on_v1 = {
         "presence_penalty": 0.5,
         "frequency_penalty": 0.5,
         "repetition_penalty": 1.2,
@@ -279,6 +285,10 @@ def test_request_options_refused_per_runner():
         "structured_outputs": StructuredOutputsParams(choice=["a"]),
     }
     assert served_on_v1.keys() == REFUSED_V2.keys()
+    for name, value in served_on_both.items():
+        params = SamplingParams(**{name: value})
+        assert unsupported_request(params, v2_runner=False) is None, name
+        assert unsupported_request(params, v2_runner=True) is None, name
     for name, value in served_on_v1.items():
         params = SamplingParams(**{name: value})
         assert unsupported_request(params, v2_runner=False) is None, name

@@ -2,12 +2,13 @@
 
 The V1 runner's tree sampler applies every option of the sampling distribution at each tree
 node with that node's own history (``v1/options.py``), returns logprobs, and constrains each
-node by its own grammar state (``v1/grammar.py``). The V2 runner's
-serves temperature, top-k and top-p (vLLM's V2 sampler at each node's depth position); see
-``REFUSED_V2`` for the rest. What a runner cannot serve is refused, never
-silently ignored: in the front end (``InputProcessor._validate_params``: ``LLM.generate``
-raises ValueError, the OpenAI server answers 400 and keeps serving) and, as a guard, again in
-the runner.
+node by its own grammar state (``v1/grammar.py``). The V2 runner serves temperature, top-k,
+top-p, min_p, logit_bias, allowed_token_ids and min_tokens (vLLM's V2 sampler per row at the
+node's depth position) and logprobs (read at the accepted path's rows,
+``TreeSampler.path_rows``); the H200 equality case ``pairopts`` checks them against no-spec.
+``REFUSED_V2`` lists the rest. What a runner cannot serve is refused, never silently ignored:
+in the front end (``InputProcessor._validate_params``: ``LLM.generate`` raises ValueError, the
+OpenAI server answers 400 and keeps serving) and, on the V1 runner, again in the runner.
 """
 
 from __future__ import annotations
@@ -28,14 +29,6 @@ REFUSED_V2 = {
     "frequency_penalty": f"frequency_penalty is not supported {_V2}",
     "repetition_penalty": f"repetition_penalty is not supported {_V2}",
     "bad_words": f"bad_words is not supported {_V2}",
-    # Wired (vLLM's V2 sampler applies them per row at the node's depth position; logprobs
-    # are read at the accepted path's rows, TreeSampler.path_rows) but not yet run through the
-    # H200 equality suite (its case pairopts): refused until that passes.
-    "logprobs": f"logprobs are not returned {_V2}",
-    "min_p": f"min_p is not supported {_V2}",
-    "min_tokens": f"min_tokens is not supported {_V2}",
-    "logit_bias": f"logit_bias is not supported {_V2}",
-    "allowed_token_ids": f"allowed_token_ids is not supported {_V2}",
     "structured_outputs": (
         f"structured output (guided decoding, JSON schema, tool calls with a schema) is not "
         f"supported {_V2}: each tree node needs its own grammar state"
