@@ -7,8 +7,8 @@
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
-#   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~5 min)
-#   bash benchmarks/h200.sh sched    # the pair bench with a budget per batch size (~4 min)
+#   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~7 min)
+#   bash benchmarks/h200.sh sched    # fixed budgets vs budgets per batch size (~8 min: detach it)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
@@ -83,17 +83,17 @@ tree)
   tail -30 "$OUT/tree.txt"
   ;;
 pair)
-  timeout 400 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
+  timeout 560 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
     --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
   ;;
-sched)
-  timeout 400 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 255 \
-    --ddtree-options '{"ddtree_budget_per_batch_size": [[1, 4, 255], [5, 512, 15]]}' \
+sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
+  timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,255 \
+    --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
     --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
-    --title "bundled pair, H200, B=255 up to 4 requests, 15 above" --out /tmp/bench_sched \
+    --title "bundled pair, H200: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1
   tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
   tail -30 "$OUT/bench_sched.txt"

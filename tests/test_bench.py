@@ -53,9 +53,9 @@ def test_dummy_prompts_are_distinct_seeded_and_sized():
 
 def test_request_schedule_examples():
     assert bench.request_schedule(16, 1) == list(range(16))  # c=1: every prompt once, in order
-    assert bench.request_schedule(16, 16) == list(range(16)) * 2  # the 16 slots refill once
-    assert bench.request_schedule(16, 32) == list(range(16)) * 4
-    assert bench.request_schedule(3, 2) == [0, 1, 2] * 2
+    assert bench.request_schedule(16, 16) == list(range(16)) * 4  # the 16 slots refill 3 times
+    assert bench.request_schedule(16, 32) == list(range(16)) * 8
+    assert bench.request_schedule(3, 2) == [0, 1, 2] * 3
     with pytest.raises(ValueError):
         bench.request_schedule(0, 1)
 
@@ -63,7 +63,7 @@ def test_request_schedule_examples():
 @given(st.integers(1, 40), st.integers(1, 64))
 def test_request_schedule_whole_passes_and_enough_requests(num_prompts, concurrency):
     schedule = bench.request_schedule(num_prompts, concurrency)
-    wanted = max(num_prompts, 2 * concurrency)
+    wanted = max(num_prompts, 4 * concurrency)
     assert wanted <= len(schedule) < wanted + num_prompts  # the fewest whole passes
     assert len(schedule) % num_prompts == 0
     assert schedule == [i % num_prompts for i in range(len(schedule))]
@@ -156,6 +156,31 @@ def test_ratios_against_the_chain_and_no_spec_at_the_same_point():
     assert "tokens_per_s_vs_dflash" not in ratios[("ddtree-64", 16)]  # no chain at c=16
     assert ratios[("ddtree-64", 16)]["tokens_per_s_vs_ar"] == 0.5
     assert all("tokens_per_s_vs_ar" not in r for r in rows)  # the input rows are untouched
+
+
+def test_repeats_aggregate_to_medians_pooled_tau_and_paired_ratios():
+    runs = [
+        _row("dflash", 1, 0.0, tps, 2.0, repeat=i, draft_steps=100, ms_per_engine_step=ms)
+        for i, (tps, ms) in enumerate([(1000.0, 4.0), (800.0, 5.0), (1200.0, 3.0)])
+    ] + [
+        _row("ddtree-64", 1, 0.0, tps, tau, repeat=i, draft_steps=drafts)
+        for i, (tps, tau, drafts) in enumerate(
+            [(1100.0, 3.0, 50), (1000.0, 4.0, 150), (1300.0, 3.0, 100)]
+        )
+    ]  # fmt: skip
+    rows = {r["engine"]: r for r in report.add_ratios(report.aggregate(runs))}
+    chain, tree = rows["dflash"], rows["ddtree-64"]
+    assert chain["tokens_per_s"] == 1000.0 and chain["tokens_per_s_runs"] == [1000.0, 800.0, 1200.0]
+    assert chain["ms_per_engine_step"] == 4.0 and chain["repeats"] == 3 and "repeat" not in chain
+    assert tree["tau"] == 1 + (2 * 50 + 3 * 150 + 2 * 100) / 300  # pooled over the drafts
+    assert tree["draft_steps"] == 300
+    assert tree["tokens_per_s_vs_dflash"] == 1.1  # median over median
+    assert tree["tokens_per_s_vs_dflash_runs"] == [1.1, 1.25, 1.083]  # repeat by repeat
+    cell = report.speed_cell(tree, "tokens_per_s_vs_dflash")
+    assert cell == "1100 (3.50) x1.10 [1.08-1.25]"
+    assert report.speed_cell(chain, "tokens_per_s_vs_dflash") == "1000 (2.00) x1.00"
+    summary = report.summary_markdown(list(rows.values()), ["dflash", "ddtree-64"])
+    assert "Each point measured 3 times" in summary
 
 
 def test_speed_table_rows_are_engines_columns_are_points():
@@ -340,16 +365,20 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
             budgets=[16],
             temperatures=[0.0, 1.0],
             max_tokens=9,
+            repeats=2,
+            ddtree_schedules=[],
             engines=[name],
             argv=argv,
             out=tmp_path,
         )
+        (tmp_path / "turn").unlink(missing_ok=True)  # each engine alone here: its own turns
         bench.run_engine(name, args, log)
     ar, tree = FakeLLM.instances
     assert ar.requests == tree.requests  # same prompts, lengths, temperatures, same order
     measured = [r for r in ar.requests if r[1] == 9]  # warm-up requests have 8 tokens
     want = [
         (tuple(prompts[i]), 9, t)
+        for _ in range(2)  # repeats
         for t in (0.0, 1.0)
         for c in (1, 4)
         for i in bench.request_schedule(5, c)
@@ -357,15 +386,48 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
     assert measured == want
     result = json.loads((tmp_path / "ddtree-16.json").read_text())
     assert result["prompts_sha256"] == prompt_set["sha256"]
+    assert [r["repeat"] for r in result["rows"]] == [0] * 4 + [1] * 4
     by_point = {(r["concurrency"], r["temperature"]): r for r in result["rows"]}
-    assert by_point[(1, 0.0)]["requests"] == 5 and by_point[(4, 0.0)]["requests"] == 10
-    assert by_point[(4, 1.0)]["prompts"] == 5 and by_point[(4, 1.0)]["tokens"] == 90
+    assert by_point[(1, 0.0)]["requests"] == 5 and by_point[(4, 0.0)]["requests"] == 20
+    assert by_point[(4, 1.0)]["prompts"] == 5 and by_point[(4, 1.0)]["tokens"] == 180
     assert by_point[(1, 0.0)]["tau"] == 3.0
     assert all(r["profile"]["reports"] >= 1 for r in result["rows"])
     assert result["profile"]["steps"] == 4 * result["profile"]["reports"]
     assert "profile" not in json.loads((tmp_path / "ar.json").read_text())["rows"][0]
     progress = json.loads((tmp_path / "ddtree-16.progress").read_text())
-    assert progress == {"label": "c=4 T=1", "done": 10, "total": 10}
+    assert progress == {"label": "c=4 T=1 #2/2", "done": 20, "total": 20}
+
+
+def test_engines_take_turns_per_point_and_skip_a_failed_one(tmp_path):
+    """Three engine threads, 3 points: each point's engines measure one at a time, in the
+    engine order rotated by the point; an engine that fails gives its later turns away."""
+    import threading
+
+    engines = ["ar", "dflash", "ddtree-64"]
+    order, lock = [], threading.Lock()
+
+    def worker(name: str) -> None:
+        turns = bench.Turns(tmp_path, engines)
+        for point in range(3):
+            turns.wait(point, name)
+            if name == "dflash" and point == 1:  # fails while it holds the turn
+                (tmp_path / "dflash.failed").touch()
+                return
+            with lock:
+                order.append((point, name))
+            turns.done()
+
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in reversed(engines)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+    assert order == [
+        (0, "ar"), (0, "dflash"), (0, "ddtree-64"),
+        (1, "ddtree-64"), (1, "ar"),  # rotated by 1: dflash first, failed in its turn
+        (2, "ddtree-64"), (2, "ar"),  # rotated by 2: dflash's (last) slot never wanted
+    ]  # fmt: skip
 
 
 class FakeBar:
@@ -426,16 +488,49 @@ def test_progress_files_give_one_bar_per_measurement(tmp_path, monkeypatch):
         (["--budgets", ""], "--budgets is empty"),
         (["--ddtree-profile", "0"], "--ddtree-profile must be >= 1"),
         (["--ddtree-profile", "5", "--methods", "ar,dflash"], "--ddtree-profile needs ddtree"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--ddtree-schedules", "[[[1, 4, 0]]]"], "--ddtree-schedules .*must be in"),
+        (["--ddtree-schedules", '[[[1, "x", 3]]]'], "--ddtree-schedules .*ints"),
+        (["--ddtree-schedules", "[[1, 4, 255]]"], "--ddtree-schedules"),
+        (["--ddtree-schedules", "{}"], "must be a JSON list"),
+        (
+            [
+                "--ddtree-schedules",
+                "[[[1, 512, 15]]]",
+                "--ddtree-options",
+                '{"ddtree_budget_per_batch_size": [[1, 512, 15]]}',
+            ],
+            "use one",
+        ),
     ],
 )
-def test_bad_flag_values_name_the_flag(tmp_path, flags, message):
+def test_bad_flag_values_name_the_flag(tmp_path, monkeypatch, flags, message):
+    monkeypatch.setattr(bench, "drive", lambda args: pytest.fail("a bad flag started engines"))
     with pytest.raises(SystemExit, match=message):
         main(["bench", *flags, "--out", str(tmp_path)])
 
 
+def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
+    schedules = [[[1, 4, 255], [5, 512, 15]], [[1, 2, 63], [3, 512, 15]]]
+    names = bench.engine_names(["dflash", "ddtree"], [15], schedules)
+    assert names == ["dflash", "ddtree-15", "ddtree-s1", "ddtree-s2"]
+    args = argparse.Namespace(
+        target=tmp_path, draft=tmp_path, dtype="float32", max_model_len=64, dummy=False,
+        concurrency=[1, 4], budgets=[15], ddtree_schedules=schedules, kv_cache_gib=1.0,
+        ddtree_options={"ddtree_chain_seed": False},
+    )  # fmt: skip
+    spec = bench.engine_kwargs("ddtree-s2", args)["speculative_config"]
+    assert spec["ddtree_budget"] == 63 and spec["ddtree_budget_per_batch_size"] == schedules[1]
+    assert spec["ddtree_chain_seed"] is False
+    assert bench.engine_kwargs("ddtree-15", args)["speculative_config"]["ddtree_budget"] == 15
+    assert bench.schedule_label(schedules[0]) == "1-4: 255, 5-512: 15"
+
+
 def test_bench_plot_tokens_ratio_and_tau_panels(tmp_path):
     rows = report.add_ratios(
-        _grid() + [_row("dflash", 16, 0.0, 3000.0, 2.0), _row("ar", 1, 1.0, 400.0)]
+        _grid()
+        + [_row("dflash", 16, 0.0, 3000.0, 2.0), _row("ar", 1, 1.0, 400.0)]
+        + [_row("ddtree-s1", 1, 0.0, 1700.0, 3.5), _row("ddtree-s1", 16, 0.0, 3100.0, 2.4)]
     )
     report.plot(rows, tmp_path / "bench.png", "test")
     assert (tmp_path / "bench.png").stat().st_size > 0

@@ -1,12 +1,15 @@
-"""``ddtree bench``'s pure reporting: speed ratios, markdown tables, profile-log parsing, plot.
+"""``ddtree bench``'s pure reporting: repeats, speed ratios, markdown tables, profile-log
+parsing, plot.
 
 Nothing here starts vLLM; the rows are ``ddtree bench``'s (one per engine, concurrency c and
-temperature T: ``engine``, ``concurrency``, ``temperature``, ``tokens_per_s``, ``tau``, ...).
+temperature T: ``engine``, ``concurrency``, ``temperature``, ``tokens_per_s``, ``tau``, ...;
+one per repeat before :func:`aggregate`).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -19,20 +22,78 @@ def _point(row: dict) -> tuple[int, float]:
     return row["concurrency"], row["temperature"]
 
 
+_SUMMED = ("tokens", "seconds", "engine_steps")  # over the repeats ("requests": per repeat)
+_MEDIAN = ("ms_per_engine_step", "ms_per_step")
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (engine, c, T) from its repeats (``repeat`` 0, 1, ...): the median tokens/s
+    (the repeats' own in ``tokens_per_s_runs``, in repeat order), tau and the acceptance per
+    depth pooled over all the repeats' drafts, the median ms per step, summed counts.
+    Rows without repeats pass through as they are."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["engine"], *_point(run)), []).append(run)
+    rows = []
+    for group in groups.values():
+        if len(group) == 1 and "repeat" not in group[0]:
+            rows.append(dict(group[0]))
+            continue
+        group = sorted(group, key=lambda r: r.get("repeat", 0))
+        row = {k: v for k, v in group[0].items() if k != "repeat"}
+        row["repeats"] = len(group)
+        row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in group]
+        row["tokens_per_s"] = round(statistics.median(row["tokens_per_s_runs"]), 1)
+        for key in _SUMMED:
+            if all(key in r for r in group):
+                row[key] = round(sum(r[key] for r in group), 4)
+        for key in _MEDIAN:
+            if all(key in r for r in group):
+                row[key] = round(statistics.median(r[key] for r in group), 3)
+        if all(r.get("draft_steps") for r in group):
+            drafts = sum(r["draft_steps"] for r in group)
+            row["draft_steps"] = drafts
+            row["tau"] = round(
+                1 + sum((r["tau"] - 1) * r["draft_steps"] for r in group) / drafts, 4
+            )
+            if all("accepted_per_depth" in r for r in group):
+                depth = min(len(r["accepted_per_depth"]) for r in group)
+                row["accepted_per_depth"] = [
+                    round(
+                        sum(r["accepted_per_depth"][d] * r["draft_steps"] for r in group) / drafts,
+                        4,
+                    )
+                    for d in range(depth)
+                ]
+        profiles = [r["profile"] for r in group if r.get("profile")]
+        if profiles:
+            row["profile"] = mean_profile(profiles)
+        rows.append(row)
+    return rows
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Add ``tokens_per_s_vs_dflash`` (every engine's tokens/s over the chain's at the same
     (c, T)) and ``tokens_per_s_vs_ar`` (over no-spec's; not on no-spec's own rows), where that
-    engine has a row at that point. Returns new row dicts; the input is left as it is."""
-    speed = {(r["engine"], *_point(r)): r["tokens_per_s"] for r in rows}
+    engine has a row at that point; with repeats also ``..._runs``: the ratio of each repeat to
+    the reference's same repeat (measured back to back). Returns new row dicts; the input is
+    left as it is."""
+    by_point = {(r["engine"], *_point(r)): r for r in rows}
     out = []
     for row in rows:
         row = dict(row)
-        chain = speed.get((CHAIN, *_point(row)))
-        if chain:
-            row["tokens_per_s_vs_dflash"] = round(row["tokens_per_s"] / chain, 3)
-        no_spec = speed.get((NO_SPEC, *_point(row)))
-        if no_spec and row["engine"] != NO_SPEC:
-            row["tokens_per_s_vs_ar"] = round(row["tokens_per_s"] / no_spec, 3)
+        for reference, key in ((CHAIN, "tokens_per_s_vs_dflash"), (NO_SPEC, "tokens_per_s_vs_ar")):
+            base = by_point.get((reference, *_point(row)))
+            if (
+                not base
+                or not base["tokens_per_s"]
+                or (reference == NO_SPEC and row["engine"] == NO_SPEC)
+            ):
+                continue
+            row[key] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+            mine, theirs = row.get("tokens_per_s_runs"), base.get("tokens_per_s_runs")
+            if mine and theirs and len(mine) == len(theirs):
+                row[key + "_runs"] = [round(a / b, 3) for a, b in zip(mine, theirs, strict=True)]
         out.append(row)
     return out
 
@@ -48,10 +109,15 @@ def reference_key(rows: list[dict]) -> str | None:
 
 
 def speed_cell(row: dict, ratio_key: str | None) -> str:
-    """``tok/s (tau) xRATIO``, e.g. ``1840 (8.73) x1.00``."""
+    """``tok/s (tau) xRATIO``, e.g. ``1840 (8.73) x1.00``; with repeats the range of the
+    per-repeat ratios too, e.g. ``1840 (8.73) x1.04 [0.98-1.10]`` (the reference's own row
+    shows none)."""
     cell = f"{row['tokens_per_s']:.0f} ({row['tau']:.2f})"
     if ratio_key is not None and ratio_key in row:
         cell += f" x{row[ratio_key]:.2f}"
+        runs = row.get(ratio_key + "_runs")
+        if runs and len(runs) > 1 and (min(runs), max(runs)) != (1.0, 1.0):
+            cell += f" [{min(runs):.2f}-{max(runs):.2f}]"
     return cell
 
 
@@ -149,12 +215,20 @@ def summary_markdown(rows: list[dict], engines: list[str]) -> str:
     }.get(ratio_key)
     requests = {r["concurrency"]: r.get("requests", "?") for r in rows}
     first = rows[0] if rows else {}
+    repeats = first.get("repeats")
     parts = [
         f"Output tokens/s (tau) x(tokens/s over {against or 'no reference engine'} at the same "
         f"(c, T)). Requests per engine and point: "
         + ", ".join(f"c={c}: {n}" for c, n in sorted(requests.items()))
         + f", over {first.get('prompts', '?')} distinct prompts, "
-        f"{first.get('max_tokens', '?')} output tokens each.",
+        f"{first.get('max_tokens', '?')} output tokens each."
+        + (
+            f" Each point measured {repeats} times, the engines in turn (back to back): the "
+            "median tokens/s, tau over all repeats, [the lowest-highest ratio of a repeat to "
+            "the reference's same repeat]."
+            if repeats and repeats > 1
+            else ""
+        ),
         "",
         markdown_table(rows, lambda r: speed_cell(r, ratio_key), engines),
         "",
@@ -192,6 +266,15 @@ def _style(engine: str, budgets: list[int]) -> dict:
         }
     if engine == NO_SPEC:
         return {"color": "0.5", "ls": ":", "lw": 2, "marker": "x", "label": "ar (no-spec)"}
+    if engine.startswith("ddtree-s"):  # a budget-per-batch-size schedule
+        number = int(engine[8:])
+        return {
+            "color": matplotlib.colormaps["plasma"](min(0.15 * number, 0.85)),
+            "ls": "-.",
+            "lw": 1.8,
+            "marker": "D",
+            "label": f"DDTree schedule {number}",
+        }
     if engine.startswith("ddtree-"):
         share = budgets.index(int(engine[7:])) / max(len(budgets) - 1, 1)
         return {
@@ -216,7 +299,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     rows = add_ratios(rows)
     ratio_key = reference_key(rows)
     engines = list(dict.fromkeys(r["engine"] for r in rows))
-    budgets = sorted(int(e[7:]) for e in engines if e.startswith("ddtree-"))
+    budgets = sorted(int(e[7:]) for e in engines if e.startswith("ddtree-") and e[7:].isdigit())
     panels = [("tokens_per_s", "output tokens/s")]
     if ratio_key is not None:
         reference = CHAIN if ratio_key == "tokens_per_s_vs_dflash" else NO_SPEC

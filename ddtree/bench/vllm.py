@@ -1,8 +1,10 @@
 """``ddtree bench``: no-spec vs vLLM's DFlash chain vs DDTree inside vLLM (offline engines).
 
 Every engine is its own process. They start side by side (model load, compilation and CUDA
-graph capture in parallel), wait until all are ready, then measure one at a time under a file
-lock, so no measurement shares the device with another engine's work. Every engine runs the
+graph capture in parallel), wait until all are ready, then measure one at a time, taking turns
+per point (``Turns``), so no measurement shares the device with another engine's work and the
+engines of a point run back to back; ``--repeats`` measures every point that many times
+(median and per-repeat ratios in the report). Every engine runs the
 same requests: one prompt set (``OUT/prompts.json``, written by the driver: ``--prompts``
 held-out prompts, or random ids for dummy shapes) and, per concurrency c, the same request
 schedule (``request_schedule``) with c requests in flight (at c=1 one after another). Per
@@ -29,12 +31,14 @@ from pathlib import Path
 
 from ddtree.bench.report import (
     add_ratios,
+    aggregate,
     mean_profile,
     parse_profile_log,
     plot,
     summary_markdown,
 )
 from ddtree.vllm_plugin import plugin_env
+from ddtree.vllm_plugin.config import budget_schedule
 
 PROFILE_ENV = "DDTREE_PROFILE"  # read at plugin registration (vllm_plugin/config.py)
 
@@ -79,11 +83,18 @@ def write_dummy_shapes(out: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
-def engine_names(methods: list[str], budgets: list[int]) -> list[str]:
+def engine_names(methods: list[str], budgets: list[int], schedules: list | tuple = ()) -> list[str]:
+    """``methods`` with ``ddtree`` as one ``ddtree-<B>`` engine per budget, then one
+    ``ddtree-s<i>`` engine per schedule of ``--ddtree-schedules`` (i from 1)."""
     names = [m for m in methods if m != "ddtree"]
     if "ddtree" in methods:
         names += [f"ddtree-{b}" for b in budgets]
-    return names
+    return names + [f"ddtree-s{i}" for i in range(1, len(schedules) + 1)]
+
+
+def schedule_label(schedule: list) -> str:
+    """``[[1, 4, 255], [5, 512, 15]]`` -> ``"1-4: 255, 5-512: 15"``."""
+    return ", ".join(f"{first}-{last}: {budget}" for first, last, budget in schedule)
 
 
 # vLLM's DFlash chain under other engine settings: (V1 runner, cudagraph_mode, async_scheduling);
@@ -106,7 +117,8 @@ def engine_kwargs(name: str, args) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    widest = max(args.concurrency) * (1 + max([15, *args.budgets]))
+    scheduled = [b for schedule in args.ddtree_schedules for _, _, b in schedule]
+    widest = max(args.concurrency) * (1 + max([15, *args.budgets, *scheduled]))
     kw = dict(
         model=str(args.target),
         dtype=args.dtype,
@@ -135,6 +147,15 @@ def engine_kwargs(name: str, args) -> dict:
             kw["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
         if async_scheduling is not None:
             kw["async_scheduling"] = async_scheduling
+    elif name.startswith("ddtree-s"):
+        schedule = args.ddtree_schedules[int(name[8:]) - 1]
+        spec = {
+            "method": "ddtree",
+            "model": str(args.draft),
+            **args.ddtree_options,
+            "ddtree_budget": max(b for _, _, b in schedule),
+            "ddtree_budget_per_batch_size": schedule,
+        }
     elif name.startswith("ddtree-"):
         spec = {
             "method": "ddtree",
@@ -143,7 +164,9 @@ def engine_kwargs(name: str, args) -> dict:
             **args.ddtree_options,
         }
     else:
-        raise ValueError(f"unknown engine {name!r}: one of {METHODS[:-1]} or ddtree-<budget>")
+        raise ValueError(
+            f"unknown engine {name!r}: one of {METHODS[:-1]}, ddtree-<budget> or ddtree-s<i>"
+        )
     kw["speculative_config"] = spec
     return kw
 
@@ -179,11 +202,13 @@ def request_schedule(num_prompts: int, concurrency: int) -> list[int]:
     """The prompt index of each request, in submission order, at one concurrency.
 
     Whole passes over the prompt set (each prompt weighs the same in tau and tokens/s), as
-    many as it takes to reach max(num_prompts, 2 x concurrency) requests: at c > 1 the c slots
-    refill at least once, so the measurement is not one batch that drains."""
+    many as it takes to reach max(num_prompts, 4 x concurrency) requests: at c > 1 the c slots
+    refill at least three times, so the measurement is mostly steady state, not one batch that
+    fills and drains (and lasts long enough to time: at c=32 on an H200 two passes were under a
+    second)."""
     if num_prompts < 1 or concurrency < 1:
         raise ValueError(f"need >= 1 prompt and concurrency >= 1, got {num_prompts}, {concurrency}")
-    wanted = max(num_prompts, 2 * concurrency)
+    wanted = max(num_prompts, 4 * concurrency)
     passes = -(-wanted // num_prompts)
     return [i % num_prompts for i in range(passes * num_prompts)]
 
@@ -379,33 +404,39 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
     ):
         time.sleep(1)
     rows, reports = [], []
-    with open(out / ".device.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for temperature in args.temperatures:
-            for concurrency in args.concurrency:
-                schedule = request_schedule(len(prompts), concurrency)
-                label = f"c={concurrency} T={temperature:g}"
-                progress = ProgressFile(out / f"{name}.progress", label, len(schedule))
-                sys.stdout.flush()
-                log_start = log.stat().st_size if log else 0
-                row = measure(
-                    llm, prompts, schedule, concurrency, temperature, args.max_tokens, progress
-                )
-                if log is not None:
-                    # DDTREE_PROFILE's reports logged during this measurement (the first may
-                    # include up to N-1 steps of the one before: the profile's own window).
-                    text = _read_lines(log, log_start, log.stat().st_size)
-                    try:
-                        found = parse_profile_log(text)
-                    except ValueError as err:
-                        row["profile_error"] = str(err)
-                    else:
-                        reports += found
-                        if found:
-                            row["profile"] = mean_profile(found)
-                rows.append({"engine": name, **row})
-                print(json.dumps(rows[-1]), flush=True)
-        fcntl.flock(lock, fcntl.LOCK_UN)
+    turns = Turns(out, args.engines)
+    repeats = args.repeats
+    for point, (repeat, temperature, concurrency) in enumerate(measurement_points(args)):
+        turns.wait(point, name)
+        try:
+            schedule = request_schedule(len(prompts), concurrency)
+            label = f"c={concurrency} T={temperature:g}"
+            if repeats > 1:
+                label += f" #{repeat + 1}/{repeats}"
+            progress = ProgressFile(out / f"{name}.progress", label, len(schedule))
+            sys.stdout.flush()
+            log_start = log.stat().st_size if log else 0
+            row = measure(
+                llm, prompts, schedule, concurrency, temperature, args.max_tokens, progress
+            )
+        finally:
+            turns.done()
+        if repeats > 1:
+            row["repeat"] = repeat
+        if log is not None:
+            # DDTREE_PROFILE's reports logged during this measurement (the first may include
+            # up to N-1 steps of the one before: the profile's own window).
+            text = _read_lines(log, log_start, log.stat().st_size)
+            try:
+                found = parse_profile_log(text)
+            except ValueError as err:
+                row["profile_error"] = str(err)
+            else:
+                reports += found
+                if found:
+                    row["profile"] = mean_profile(found)
+        rows.append({"engine": name, **row})
+        print(json.dumps(rows[-1]), flush=True)
     config = llm.llm_engine.vllm_config
     result = {
         "engine": name,
@@ -419,6 +450,63 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     llm.llm_engine.engine_core.shutdown()
+
+
+def measurement_points(args) -> list[tuple[int, float, int]]:
+    """(repeat, temperature, concurrency) in measurement order: every point once per repeat."""
+    return [
+        (repeat, temperature, concurrency)
+        for repeat in range(args.repeats)
+        for temperature in args.temperatures
+        for concurrency in args.concurrency
+    ]
+
+
+class Turns:
+    """Engines measure one at a time, in turns: point k's slots go to the engines in their
+    order rotated by k (no engine always first), each slot after the one before has ended.
+    The turn is a counter in ``OUT/turn`` (absent: 0), moved under a file lock; a slot whose
+    engine failed (``OUT/<engine>.failed``) is skipped by whoever waits next."""
+
+    def __init__(self, out: Path, engines: list[str]):
+        self.path, self.lock, self.engines = out / "turn", out / ".device.lock", engines
+
+    def slot(self, point: int, engine: str) -> int:
+        count = len(self.engines)
+        return point * count + (self.engines.index(engine) - point) % count
+
+    def owner(self, slot: int) -> str:
+        point, offset = divmod(slot, len(self.engines))
+        return self.engines[(offset + point) % len(self.engines)]
+
+    def _read(self) -> int:
+        try:
+            return int(self.path.read_text() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _advance(self, expected: int | None = None) -> None:
+        with open(self.lock, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            turn = self._read()
+            if expected is None or turn == expected:
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(str(turn + 1))
+                tmp.replace(self.path)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def wait(self, point: int, engine: str) -> None:
+        mine = self.slot(point, engine)
+        while (turn := self._read()) != mine:
+            if turn > mine:
+                raise RuntimeError(f"ddtree bench: {engine} missed its turn {mine} (now {turn})")
+            if (self.path.parent / f"{self.owner(turn)}.failed").exists():
+                self._advance(expected=turn)
+            else:
+                time.sleep(0.005)
+
+    def done(self) -> None:
+        self._advance()
 
 
 def engine_env(name: str, base: dict[str, str], profile_every: int | None) -> dict[str, str]:
@@ -490,7 +578,7 @@ def drive(args) -> list[dict]:
         out / f"{name}{suffix}"
         for name in args.engines
         for suffix in (".ready", ".failed", ".progress", ".json")
-    ]
+    ] + [out / "turn"]
     for path in stale:  # an old run's files would pass for this run's
         path.unlink(missing_ok=True)
     prompts, source = bench_prompts(args)
@@ -531,25 +619,34 @@ def drive(args) -> list[dict]:
         time.sleep(0.5)
     bars.poll()
     bars.close()
-    rows, engines = [], {}
+    runs, engines = [], {}
     for name in args.engines:
         path = out / f"{name}.json"
         if path.exists():
             engines[name] = json.loads(path.read_text())
-            rows += engines[name]["rows"]
-    rows = add_ratios(rows)
+            runs += engines[name]["rows"]
+    rows = add_ratios(aggregate(runs))
     summary = {
         "command": " ".join(["ddtree", "bench", *args.argv]),
         "exit_codes": {n: p.returncode for n, p in procs.items()},
         "prompts": {k: v for k, v in prompt_set.items() if k != "prompts"},
         "requests": {str(c): len(request_schedule(len(prompts), c)) for c in args.concurrency},
+        "repeats": args.repeats,
+        "schedules": {
+            f"ddtree-s{i}": schedule for i, schedule in enumerate(args.ddtree_schedules, 1)
+        },
         "ddtree_profile": args.ddtree_profile,
         "engines": {n: {k: v for k, v in e.items() if k != "rows"} for n, e in engines.items()},
         "rows": rows,
+        "runs": runs if args.repeats > 1 else None,
     }
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     if rows:
         table = summary_markdown(rows, args.engines)
+        table += "".join(
+            f"\nddtree-s{i}: budget per batch size {schedule_label(schedule)}\n"
+            for i, schedule in enumerate(args.ddtree_schedules, 1)
+        )
         (out / "bench.md").write_text(table)
         print("\n" + table, flush=True)
         plot(rows, out / "bench.png", args.title or Path(args.target).name)
@@ -602,6 +699,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="DDTREE_PROFILE=N for the DDTree engines only: their step "
         "split (mean ms per stage) in the rows and the summary",
     )
+    parser.add_argument(
+        "--ddtree-schedules",
+        type=json.loads,
+        default=[],
+        metavar="JSON",
+        help="more DDTree engines, one per budget-per-batch-size schedule: a JSON list of "
+        "schedules, e.g. '[[[1, 4, 255], [5, 512, 15]]]' (engine ddtree-s1, budget = its "
+        "largest B)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measure every (c, T) point this many times, the engines in turn (median and "
+        "per-repeat ratios in the report)",
+    )
     parser.add_argument("--title", default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # one worker
@@ -637,6 +750,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         ("--prompts", args.prompts),
         ("--max-tokens", args.max_tokens),
         ("--input-len", args.input_len),
+        ("--repeats", args.repeats),
     ):
         if value < 1:
             raise SystemExit(f"ddtree bench: {flag} must be >= 1, got {value}")
@@ -649,6 +763,18 @@ def _check_args(args: argparse.Namespace) -> list[str]:
             raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
     if not isinstance(args.ddtree_options, dict):
         raise SystemExit("ddtree bench: --ddtree-options must be a JSON object")
+    if "ddtree_budget_per_batch_size" in args.ddtree_options and args.ddtree_schedules:
+        raise SystemExit(
+            "ddtree bench: --ddtree-schedules and ddtree_budget_per_batch_size in "
+            "--ddtree-options both set schedules: use one"
+        )
+    if not isinstance(args.ddtree_schedules, list):
+        raise SystemExit("ddtree bench: --ddtree-schedules must be a JSON list of schedules")
+    for schedule in args.ddtree_schedules:
+        try:
+            budget_schedule(schedule, max(b for _, _, b in schedule))
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"ddtree bench: --ddtree-schedules {schedule!r}: {err}") from None
     return methods
 
 
@@ -661,7 +787,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         args.target = args.target or root / "models" / "target"
         args.draft = args.draft or root / "models" / "drafter"
-    args.engines = engine_names(methods, args.budgets)
+    args.engines = engine_names(methods, args.budgets, args.ddtree_schedules)
     args.argv = list(argv)
     if args.engine is not None:
         args.out.mkdir(parents=True, exist_ok=True)

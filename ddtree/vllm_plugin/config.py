@@ -156,7 +156,7 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
             f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
         )
     if schedule is not None:
-        schedule = _budget_schedule(schedule, budget)
+        schedule = budget_schedule(schedule, budget)
         if max_verify_cost is not None or max_verify_tokens not in ("default", None):
             raise ValueError(
                 "ddtree_budget_per_batch_size sets the budget per batch size itself: drop "
@@ -185,7 +185,7 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
     )
 
 
-def _budget_schedule(schedule, budget: int) -> tuple[tuple[int, int, int], ...]:
+def budget_schedule(schedule, budget: int) -> tuple[tuple[int, int, int], ...]:
     """``ddtree_budget_per_batch_size``: ``[[first, last, B_step], ...]`` inclusive batch-size
     ranges (the first starting at 1) and the tree nodes verified per request there, each in
     [1, ddtree_budget]; vLLM's own format (``num_speculative_tokens_per_batch_size``)."""
