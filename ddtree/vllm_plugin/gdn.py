@@ -67,6 +67,7 @@ def install() -> None:
         gdn_core(layer, metadata[layer.prefix], mixed_qkv, b, a, core_attn_out, engine)
 
     _patch_state_allocation()
+    _keep_float32_conv_weights()
 
     # torch infers the custom op's schema from the signature: vLLM's, annotations resolved.
     cpu_gdn_attention_core.__signature__ = inspect.signature(vllm_core, eval_str=True)
@@ -98,6 +99,22 @@ def _patch_state_allocation() -> None:
         if options_of(vllm_config.speculative_config) is None:
             return spec
         return dataclasses.replace(spec, num_speculative_blocks=0)
+
+
+def _keep_float32_conv_weights() -> None:
+    """On CPUs with AMX tiles vLLM prepacks every conv weight at load with a bf16-only kernel
+    (``causal_conv1d_weight_pack``: "not implemented for 'Float'"); a float32 GDN conv weight
+    is left as it is, since :func:`gdn_core` serves float32 GDN layers and reads it directly."""
+    from vllm.model_executor.layers import utils
+
+    from ddtree.vllm_plugin.hooks import wrap
+
+    @wrap(utils, "dispatch_cpu_unquantized_gemm")
+    def dispatch_cpu_unquantized_gemm(original, layer, remove_weight):
+        weight = layer.weight
+        if weight.ndim != 2 and not weight.is_meta and weight.dtype == torch.float32:
+            return None  # a conv weight (GDN's [C, 1, W]), float32
+        return original(layer, remove_weight)
 
 
 def check_layer(name: str, layer) -> None:
@@ -193,16 +210,12 @@ def gdn_core(layer, md, mixed_qkv, b, a, core_attn_out, engine) -> None:
         x, a_rows, b_rows = features(rows)
         conv_state = conv[slot0[i], :, : width - 1][None].clone()  # [1, C, W-1]
         state = ssm[slot0[i]].transpose(-1, -2)[None].clone()  # [1, HV, V, K]
-        x_conv = gdn.tree_conv1d(
-            x[None], conv_state, parents, weight, layer.conv1d.bias, layer.activation
-        )
-        q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
-        g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
-        out, _ = gdn.tree_gdn(q, k, v, g[None], beta[None], state, parents)
+        q, k, v, g, beta = _inputs(layer, weight, x, a_rows, b_rows, conv_state, parents)
+        out, _ = gdn.tree_gdn(q, k, v, g, beta, state, parents)
         core_attn_out.index_copy_(0, rows, out[0].to(core_attn_out.dtype))
         pending.members.append(member)
         pending.slots.append(slot0[i])
-        pending.stashes.append(gdn.GDNStash(k, v, g[None], beta[None], x[None], parents))
+        pending.stashes.append(gdn.GDNStash(k, v, g, beta, x[None], parents))
         pending.states.append(state)
         pending.conv_states.append(conv_state)
     engine.gdn_pending.append(pending)
@@ -245,13 +258,9 @@ def _chain_verify(layer, md, conv, ssm, weight, rows_of, features, core_attn_out
         buffer = conv[blocks[i][0]]  # [C, state_len]
         conv_state = buffer[:, offset : offset + width - 1][None]
         chain = torch.arange(-1, n - 1, device=x.device)[None]
-        x_conv = gdn.tree_conv1d(
-            x[None], conv_state, chain, weight, layer.conv1d.bias, layer.activation
-        )
-        q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
-        g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
+        q, k, v, g, beta = _inputs(layer, weight, x, a_rows, b_rows, conv_state, chain)
         state = ssm[blocks[i][offset]].transpose(-1, -2)[None]
-        out, states = gdn.chain_gdn(q, k, v, g[None], beta[None], state)
+        out, states = gdn.chain_gdn(q, k, v, g, beta, state)
         for t in range(n):
             ssm[blocks[i][t]].copy_(states[0, t].transpose(-1, -2))
         kept = buffer[:, offset + 1 : offset + 1 + state_len - n]
@@ -267,14 +276,22 @@ def _chain(layer, conv, ssm, weight, slot, has_state, x, a_rows, b_rows) -> torc
     if not has_state:
         conv_state = torch.zeros_like(conv_state)
     parents = torch.arange(-1, n - 1, device=x.device)[None]  # a chain is a tree
-    x_conv = gdn.tree_conv1d(
-        x[None], conv_state[None], parents, weight, layer.conv1d.bias, layer.activation
-    )
-    q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
-    g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
+    q, k, v, g, beta = _inputs(layer, weight, x, a_rows, b_rows, conv_state[None], parents)
     state = ssm[slot].transpose(-1, -2)[None] if has_state else None
-    out, states = gdn.chain_gdn(q, k, v, g[None], beta[None], state)
+    out, states = gdn.chain_gdn(q, k, v, g, beta, state)
     history = torch.cat([conv_state, x.t().to(conv_state.dtype)], -1)  # [C, W-1+n]
     conv[slot, :, : width - 1].copy_(history[:, -(width - 1) :])
     ssm[slot].copy_(states[0, -1].transpose(-1, -2))
     return out[0]
+
+
+def _inputs(layer, weight, x, a_rows, b_rows, conv_state, parents):
+    """The recurrence's inputs of rows ``x [n, C]`` with parents ``parents [1, n]``: the conv
+    over each row's ancestors (``conv_state [1, C, W-1]`` above the root), then
+    ``(q, k, v, g [1, n, HV], beta [1, n, HV])``."""
+    x_conv = gdn.tree_conv1d(
+        x[None], conv_state, parents, weight, layer.conv1d.bias, layer.activation
+    )
+    q, k, v = layer.rearrange_mixed_qkv(x_conv[0].to(x.dtype))
+    g, beta = gdn.gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
+    return q, k, v, g[None], beta[None]
