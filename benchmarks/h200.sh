@@ -8,7 +8,7 @@
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~7 min)
-#   bash benchmarks/h200.sh sched    # fixed budgets vs budgets per batch size (~8 min: detach it)
+#   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~10 min: detach)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
@@ -90,8 +90,8 @@ pair)
   tail -30 "$OUT/bench_pair.txt"
   ;;
 sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
-  timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,255 \
-    --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
+  timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
+    --ddtree-acceptance 50 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
     --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
     --title "bundled pair, H200: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1

@@ -63,3 +63,40 @@ def throughput_schedule(
         if first > max_batch:
             break
     return schedule
+
+
+class AcceptanceCurve:
+    """Running sums of :func:`accepted_within` for K = 1..B over verified tree requests, on the
+    device, with no host sync until :meth:`take` (fixed shapes: CUDA graphs can record
+    :meth:`update`). A request verified at K' < B (a scheduler clipped its tree) adds to
+    K <= K' only."""
+
+    def __init__(self, budget: int, device: torch.device | str):
+        self.budgets = torch.arange(1, budget + 1, device=device)  # [B]
+        self.accepted = torch.zeros(budget, dtype=torch.long, device=device)  # [B]
+        self.rows = torch.zeros(budget, dtype=torch.long, device=device)  # [B]
+
+    def update(self, path: torch.Tensor, verified: torch.Tensor) -> None:
+        """``path`` long ``[R, D + 1]`` (walked), ``verified`` long ``[R]``: the tree nodes
+        each request verified (0: none, e.g. padding or a prefill)."""
+        valid = self.budgets[None, :] <= verified[:, None]  # [R, B]
+        self.accepted.add_((accepted_within(path, self.budgets) * valid).sum(0))
+        self.rows.add_(valid.sum(0))
+
+    def take(self) -> dict:
+        """The sums so far as plain lists (a host read), then zeroed:
+        ``{"rows": [B], "accepted": [B]}``, entry K-1 for budget K."""
+        out = {"rows": self.rows.tolist(), "accepted": self.accepted.tolist()}
+        self.rows.zero_()
+        self.accepted.zero_()
+        return out
+
+
+def mean_accepted(reports: list[dict]) -> list[float | None]:
+    """Mean accepted draft tokens per request step at each budget K = 1..B over
+    :meth:`AcceptanceCurve.take` reports (None where no request verified K)."""
+    if not reports:
+        return []
+    rows = [sum(col) for col in zip(*(r["rows"] for r in reports), strict=True)]
+    accepted = [sum(col) for col in zip(*(r["accepted"] for r in reports), strict=True)]
+    return [a / n if n else None for a, n in zip(accepted, rows, strict=True)]

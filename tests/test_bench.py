@@ -254,11 +254,34 @@ def test_profile_table_in_the_summary():
 
 
 def test_ddtree_profile_env_only_for_ddtree_engines():
-    base = {"PATH": "/bin", "DDTREE_PROFILE": "7"}
+    base = {"PATH": "/bin", "DDTREE_PROFILE": "7", "DDTREE_ACCEPTANCE": "3"}
     assert bench.engine_env("ddtree-64", base, 20)["DDTREE_PROFILE"] == "20"
     assert "DDTREE_PROFILE" not in bench.engine_env("dflash", base, 20)
     assert bench.engine_env("dflash", base, None) == base  # no flag: the environment as it is
     assert base["DDTREE_PROFILE"] == "7"
+    assert bench.engine_env("ddtree-s1", base, None, 50)["DDTREE_ACCEPTANCE"] == "50"
+    assert "DDTREE_ACCEPTANCE" not in bench.engine_env("ar", base, None, 50)
+
+
+def test_budget_plan_picks_the_fastest_budget_per_concurrency():
+    curve = [0.5] * 15 + [1.5] * 48 + [2.0] * 192  # accepted at K = 1..255 (B=255's walks)
+    rows = [
+        _row("ddtree-15", 1, 0.0, 1, ms_per_engine_step=4.0),
+        _row("ddtree-63", 1, 0.0, 1, ms_per_engine_step=4.2),
+        _row("ddtree-255", 1, 0.0, 1, ms_per_engine_step=4.6, accepted_by_budget=curve),
+        _row("ddtree-15", 16, 0.0, 1, ms_per_engine_step=5.0),
+        _row("ddtree-63", 16, 0.0, 1, ms_per_engine_step=9.0),
+        _row("ddtree-255", 16, 0.0, 1, ms_per_engine_step=20.0, accepted_by_budget=curve),
+        _row("dflash", 1, 0.0, 1, ms_per_engine_step=3.0),
+    ]
+    plan = report.budget_plan(rows)
+    # c=1: 1.5/4.0, 2.5/4.2, 3.0/4.6 tokens per ms -> 255; c=16: 0.30, 0.28, 0.15 -> 15
+    assert "B=15: 0.50, B=63: 1.50, B=255: 2.00" in plan
+    assert "| 1 | 375 | 595 | **652** |" in plan
+    assert "| 16 | **300** | 278 | 150 |" in plan
+    assert '"ddtree_budget_per_batch_size": [[1, 1, 255], [2, 16, 15]]' in plan
+    assert report.budget_plan([r for r in rows if r["engine"] != "ddtree-255"]) is None
+    assert "Budget plan, T=0" in report.summary_markdown(rows, ["dflash", "ddtree-15"])
 
 
 # ---- the worker against a fake vllm.LLM ----------------------------------------------------
@@ -305,6 +328,8 @@ class FakeLLM:
                 log.write(
                     f"(EngineCore pid=1) WARNING:ddtree:ddtree-profile {json.dumps(report)}\n"
                 )
+                curve = {"steps": 4, "budget": 2, "rows": [4, 2], "accepted": [3, 4]}
+                log.write(f"(EngineCore pid=1) WARNING ddtree-acceptance {json.dumps(curve)}\n")
         outputs = []
         for request, left in list(self.running.items()):
             self.drafts += 1
@@ -392,6 +417,13 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
     assert by_point[(4, 1.0)]["prompts"] == 5 and by_point[(4, 1.0)]["tokens"] == 180
     assert by_point[(1, 0.0)]["tau"] == 3.0
     assert all(r["profile"]["reports"] >= 1 for r in result["rows"])
+    for row in result["rows"]:  # every 4th step logged [4, 2] rows, [3, 4] accepted
+        reports = row["acceptance"]["rows"][0] // 4
+        assert row["acceptance"] == {
+            "rows": [4 * reports, 2 * reports],
+            "accepted": [3 * reports, 4 * reports],
+        }
+        assert row["accepted_by_budget"] == [0.75, 2.0]
     assert result["profile"]["steps"] == 4 * result["profile"]["reports"]
     assert "profile" not in json.loads((tmp_path / "ar.json").read_text())["rows"][0]
     progress = json.loads((tmp_path / "ddtree-16.progress").read_text())
@@ -489,6 +521,7 @@ def test_progress_files_give_one_bar_per_measurement(tmp_path, monkeypatch):
         (["--ddtree-profile", "0"], "--ddtree-profile must be >= 1"),
         (["--ddtree-profile", "5", "--methods", "ar,dflash"], "--ddtree-profile needs ddtree"),
         (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--ddtree-acceptance", "0"], "--ddtree-acceptance must be >= 1"),
         (["--ddtree-schedules", "[[[1, 4, 0]]]"], "--ddtree-schedules .*must be in"),
         (["--ddtree-schedules", '[[[1, "x", 3]]]'], "--ddtree-schedules .*ints"),
         (["--ddtree-schedules", "[[1, 4, 255]]"], "--ddtree-schedules"),

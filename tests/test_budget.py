@@ -79,3 +79,18 @@ def test_throughput_schedule_refuses_mismatched_tables():
         throughput_schedule([1.0, 2.0], [[1.0, 2.0], [1.0, 2.0]], [2, 1], [15, 63], 8)
     with pytest.raises(ValueError, match="max_batch"):
         throughput_schedule([1.0], [[1.0]], [4], [15], 2)
+
+
+def test_acceptance_curve_sums_valid_budgets_and_resets():
+    from ddtree.budget import AcceptanceCurve, mean_accepted
+
+    curve = AcceptanceCurve(4, "cpu")
+    path = torch.tensor([[0, 1, 3, -1], [0, 2, 4, 5], [0, -1, -1, -1]])
+    curve.update(path, torch.tensor([4, 2, 0]))  # request 1 verified 2 nodes, request 2 none
+    first = curve.take()
+    assert first == {"rows": [2, 2, 1, 1], "accepted": [1, 2, 2, 2]}
+    assert curve.take() == {"rows": [0] * 4, "accepted": [0] * 4}  # zeroed by take
+    curve.update(path[:1], torch.tensor([4]))
+    second = curve.take()
+    assert mean_accepted([first, second]) == [2 / 3, 3 / 3, 4 / 2, 4 / 2]  # rows 3, 3, 2, 2
+    assert mean_accepted([{"rows": [0, 1], "accepted": [0, 1]}]) == [None, 1.0]

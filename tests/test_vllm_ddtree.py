@@ -88,21 +88,63 @@ def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, caplog, request):
         assert greedy(llm) == no_spec[0]
 
 
-def test_engines_in_one_process_keep_their_own_state(no_spec):
+def test_engines_in_one_process_keep_their_own_state(no_spec, acceptance_logged, caplog):
     """Two DDTree engines with different budgets, then a no-spec engine, one after another in
     this process: each must give no-spec's greedy tokens (step state kept in module globals
-    would hand the second engine the first one's KV caches)."""
+    would hand the second engine the first one's KV caches).
+
+    With DDTREE_ACCEPTANCE=1 the B=15 engine logs, per step, what each K <= 15 would have
+    accepted: at K = 15 that is what it did accept (vLLM's own counters), and a smaller tree
+    never accepts more."""
     for budget in (15, 255):
-        with engine(spec=ddtree_spec(budget)) as llm:
+        caplog.clear()
+        with engine(spec=ddtree_spec(budget), disable_log_stats=False) as llm:
             assert greedy(llm) == no_spec[0], budget
+            counts = _spec_counts(llm)
+        if budget == 15:
+            rows, accepted = _acceptance(caplog.text, 15)
+            assert rows == [counts["num_drafts"]] * 15, (rows, counts)
+            assert accepted[-1] == counts["num_accepted_tokens"], (accepted, counts)
+            assert accepted == sorted(accepted) and accepted[0] < accepted[-1]
     with engine() as llm:
         assert greedy(llm) == no_spec[0]
 
 
-def test_budget_per_batch_size_equals_no_spec(no_spec):
+@pytest.fixture
+def acceptance_logged(monkeypatch, caplog):
+    """DDTREE_ACCEPTANCE=1 for the engines made in the test: a line per step."""
+    import dataclasses
+
+    from ddtree.vllm_plugin import config
+
+    monkeypatch.setenv("DDTREE_ACCEPTANCE", "1")
+    monkeypatch.setattr(
+        config, "SETTINGS", dataclasses.replace(config.SETTINGS, acceptance_every=1)
+    )
+    caplog.set_level(logging.WARNING, logger="vllm.ddtree")
+
+
+def _acceptance(log: str, budget: int) -> tuple[list[int], list[int]]:
+    """Summed ``ddtree-acceptance`` lines of a log: (rows, accepted) per K = 1..budget."""
+    import json
+
+    from ddtree.vllm_plugin.debug import ACCEPTANCE_MARKER
+
+    rows, accepted = [0] * budget, [0] * budget
+    for line in log.splitlines():
+        if ACCEPTANCE_MARKER in line:
+            report = json.loads(line.split(ACCEPTANCE_MARKER, 1)[1])
+            assert report["budget"] == budget and report["steps"] == 1
+            rows = [a + b for a, b in zip(rows, report["rows"], strict=True)]
+            accepted = [a + b for a, b in zip(accepted, report["accepted"], strict=True)]
+    return rows, accepted
+
+
+def test_budget_per_batch_size_equals_no_spec(no_spec, acceptance_logged, caplog):
     """``ddtree_budget_per_batch_size``: 4 requests verify 6-node trees, 2 verify 20, a lone
     one 64 (the requests finish at different lengths, so the batch shrinks); greedy output
-    stays no-spec's and the mean verified nodes per draft step falls between 6 and 64."""
+    stays no-spec's and the mean verified nodes per draft step falls between 6 and 64. The
+    acceptance log counts a request-step at K only up to the nodes it verified."""
     schedule = [[1, 1, 64], [2, 2, 20], [3, 8, 6]]
     spec = ddtree_spec(64, ddtree_budget_per_batch_size=schedule)
     with engine(spec=spec, disable_log_stats=False) as llm:
@@ -111,6 +153,11 @@ def test_budget_per_batch_size_equals_no_spec(no_spec):
         counts = _spec_counts(llm)
     per_step = counts["num_draft_tokens"] / counts["num_drafts"]
     assert 6 < per_step < 64, counts
+    rows, _ = _acceptance(caplog.text, 64)
+    assert rows[:6] == [counts["num_drafts"]] * 6, (rows, counts)
+    assert rows == sorted(rows, reverse=True) and 0 < rows[63] < rows[6] < rows[5], rows
+    verified = sum(rows)  # request-steps at K, summed over K: the nodes verified
+    assert verified == counts["num_draft_tokens"], (verified, counts)
 
 
 def _spec_counts(llm) -> dict[str, float]:

@@ -16,6 +16,7 @@ from pathlib import Path
 CHAIN = "dflash"  # vLLM's default DFlash chain engine: the reference of every speed ratio
 NO_SPEC = "ar"
 PROFILE_MARKER = "ddtree-profile "  # vllm_plugin/debug.py StepProfile's log lines
+ACCEPTANCE_MARKER = "ddtree-acceptance "  # vllm_plugin/debug.py AcceptanceLog's log lines
 
 
 def _point(row: dict) -> tuple[int, float]:
@@ -68,6 +69,12 @@ def aggregate(runs: list[dict]) -> list[dict]:
         profiles = [r["profile"] for r in group if r.get("profile")]
         if profiles:
             row["profile"] = mean_profile(profiles)
+        curves = [r["acceptance"] for r in group if r.get("acceptance")]
+        if curves:
+            from ddtree.budget import mean_accepted
+
+            row["acceptance"] = sum_acceptance(curves)
+            row["accepted_by_budget"] = mean_accepted([row["acceptance"]])
         rows.append(row)
     return rows
 
@@ -164,6 +171,86 @@ def parse_profile_log(text: str) -> list[dict]:
     return reports
 
 
+def parse_acceptance_log(text: str) -> list[dict]:
+    """The ``ddtree-acceptance {...}`` reports in a log (``DDTREE_ACCEPTANCE``):
+    ``[{"steps", "budget", "rows": [B], "accepted": [B]}]``."""
+    reports = []
+    for line in text.splitlines():
+        at = line.find(ACCEPTANCE_MARKER)
+        if at < 0:
+            continue
+        try:
+            report = json.loads(line[at + len(ACCEPTANCE_MARKER) :].strip())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"unreadable ddtree-acceptance line: {line!r}") from err
+        if not isinstance(report.get("rows"), list) or not isinstance(report.get("accepted"), list):
+            raise ValueError(f"ddtree-acceptance line without rows / accepted: {line!r}")
+        reports.append(report)
+    return reports
+
+
+def sum_acceptance(reports: list[dict]) -> dict:
+    """``{"rows", "accepted"}`` summed over acceptance reports (or rows' ``acceptance``)."""
+    return {
+        key: [sum(col) for col in zip(*(r[key] for r in reports), strict=True)]
+        for key in ("rows", "accepted")
+    }
+
+
+def budget_plan(rows: list[dict]) -> str | None:
+    """From a run with several fixed budgets (``ddtree-<B>`` engines) and the acceptance log
+    of the largest (``--ddtree-acceptance``): per temperature, what each budget would accept
+    (read off the largest budget's walks, pooled over c), the expected tokens/s per request
+    (1 + accepted) / ms per engine step at each (c, B), and the schedule that picks the best B
+    per c (``ddtree.budget.throughput_schedule``). None when the run cannot say."""
+    from ddtree.budget import throughput_schedule
+
+    fixed = {
+        (r["engine"], *_point(r)): r
+        for r in rows
+        if r["engine"].startswith("ddtree-") and r["engine"][7:].isdigit()
+    }
+    parts = []
+    for temperature in sorted({t for _, _, t in fixed}):
+        here = {(e, c): r for (e, c, t), r in fixed.items() if t == temperature}
+        budgets = sorted({int(e[7:]) for e, _ in here})
+        curves = [r["accepted_by_budget"] for (e, _), r in here.items()
+                  if int(e[7:]) == budgets[-1] and r.get("accepted_by_budget")]  # fmt: skip
+        sizes = sorted(
+            c for c in {c for _, c in here}
+            if all(here.get((f"ddtree-{b}", c), {}).get("ms_per_engine_step") for b in budgets)
+        )  # fmt: skip
+        if len(budgets) < 2 or not curves or not sizes:
+            continue
+        accepted = []
+        for b in budgets:
+            values = [curve[b - 1] for curve in curves if curve[b - 1] is not None]
+            accepted.append(sum(values) / len(values) if values else 0.0)
+        step_ms = [[here[(f"ddtree-{b}", c)]["ms_per_engine_step"] for b in budgets] for c in sizes]
+        schedule = throughput_schedule(accepted, step_ms, sizes, budgets, max(sizes))
+        lines = [
+            f"Budget plan, T={temperature:g}: accepted draft tokens per request step by budget "
+            f"(ddtree-{budgets[-1]}'s walks, all c): "
+            + ", ".join(f"B={b}: {a:.2f}" for b, a in zip(budgets, accepted, strict=True)),
+            "",
+            "| c | " + " | ".join(f"B={b}" for b in budgets) + " |",
+            "|---:|" + "---:|" * len(budgets),
+        ]
+        for c, ms in zip(sizes, step_ms, strict=True):
+            speed = [1000 * (1 + a) / m for a, m in zip(accepted, ms, strict=True)]
+            best = max(range(len(budgets)), key=lambda j: (speed[j], -budgets[j]))
+            cells = [f"**{v:.0f}**" if j == best else f"{v:.0f}" for j, v in enumerate(speed)]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "(expected tokens/s per request: (1 + accepted) / ms per engine step.) Suggested: "
+            f'`"ddtree_budget_per_batch_size": {schedule}` (the last range up to your '
+            "max_num_seqs).",
+        ]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else None
+
+
 def mean_profile(reports: Iterable[dict]) -> dict | None:
     """Steps-weighted mean ms per step of each stage over ``reports``; None if there are none.
 
@@ -236,6 +323,9 @@ def summary_markdown(rows: list[dict], engines: list[str]) -> str:
         "",
         markdown_table(rows, step_cell, engines),
     ]
+    plan = budget_plan(rows)
+    if plan:
+        parts += ["", plan]
     profiles = profile_table(rows)
     if profiles:
         parts += [

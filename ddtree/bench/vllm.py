@@ -33,14 +33,18 @@ from ddtree.bench.report import (
     add_ratios,
     aggregate,
     mean_profile,
+    parse_acceptance_log,
     parse_profile_log,
     plot,
+    sum_acceptance,
     summary_markdown,
 )
+from ddtree.budget import mean_accepted
 from ddtree.vllm_plugin import plugin_env
 from ddtree.vllm_plugin.config import budget_schedule
 
 PROFILE_ENV = "DDTREE_PROFILE"  # read at plugin registration (vllm_plugin/config.py)
+ACCEPTANCE_ENV = "DDTREE_ACCEPTANCE"
 
 # Qwen3-8B's shapes, and a DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shapes (5 layers).
 QWEN3_8B = dict(
@@ -435,6 +439,14 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
                 reports += found
                 if found:
                     row["profile"] = mean_profile(found)
+            try:  # DDTREE_ACCEPTANCE's reports, likewise
+                curves = parse_acceptance_log(text)
+            except ValueError as err:
+                row["acceptance_error"] = str(err)
+            else:
+                if curves:
+                    row["acceptance"] = sum_acceptance(curves)
+                    row["accepted_by_budget"] = mean_accepted([row["acceptance"]])
         rows.append({"engine": name, **row})
         print(json.dumps(rows[-1]), flush=True)
     config = llm.llm_engine.vllm_config
@@ -509,15 +521,19 @@ class Turns:
         self._advance()
 
 
-def engine_env(name: str, base: dict[str, str], profile_every: int | None) -> dict[str, str]:
+def engine_env(
+    name: str, base: dict[str, str], profile_every: int | None, acceptance_every: int | None = None
+) -> dict[str, str]:
     """One engine process's environment: with ``--ddtree-profile N``, ``DDTREE_PROFILE=N`` for
-    the DDTree engines and unset for the others (its synchronizing timer is DDTree's only)."""
+    the DDTree engines and unset for the others (its synchronizing timer is DDTree's only);
+    ``--ddtree-acceptance N`` likewise sets ``DDTREE_ACCEPTANCE``."""
     env = dict(base)
-    if profile_every is not None:
-        if name.startswith("ddtree-"):
-            env[PROFILE_ENV] = str(profile_every)
-        else:
-            env.pop(PROFILE_ENV, None)
+    for variable, every in ((PROFILE_ENV, profile_every), (ACCEPTANCE_ENV, acceptance_every)):
+        if every is not None:
+            if name.startswith("ddtree-"):
+                env[variable] = str(every)
+            else:
+                env.pop(variable, None)
     return env
 
 
@@ -598,7 +614,7 @@ def drive(args) -> list[dict]:
     for name in args.engines:
         log = (out / f"{name}.log").open("w")
         cmd = [sys.executable, "-m", "ddtree.cli", "bench", *args.argv, "--engine", name]
-        env = engine_env(name, base_env, args.ddtree_profile)
+        env = engine_env(name, base_env, args.ddtree_profile, args.ddtree_acceptance)
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         time.sleep(2)
     pending, ready = dict(procs), set()
@@ -636,6 +652,7 @@ def drive(args) -> list[dict]:
             f"ddtree-s{i}": schedule for i, schedule in enumerate(args.ddtree_schedules, 1)
         },
         "ddtree_profile": args.ddtree_profile,
+        "ddtree_acceptance": args.ddtree_acceptance,
         "engines": {n: {k: v for k, v in e.items() if k != "rows"} for n, e in engines.items()},
         "rows": rows,
         "runs": runs if args.repeats > 1 else None,
@@ -700,6 +717,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "split (mean ms per stage) in the rows and the summary",
     )
     parser.add_argument(
+        "--ddtree-acceptance",
+        type=int,
+        default=None,
+        metavar="N",
+        help="DDTREE_ACCEPTANCE=N for the DDTree engines: what every smaller budget would "
+        "have accepted on their walks (a host read every N steps); with several --budgets the "
+        "report adds a budget plan (best budget per c) and a suggested schedule",
+    )
+    parser.add_argument(
         "--ddtree-schedules",
         type=json.loads,
         default=[],
@@ -761,6 +787,10 @@ def _check_args(args: argparse.Namespace) -> list[str]:
             )
         if "ddtree" not in methods:
             raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
+    if args.ddtree_acceptance is not None and args.ddtree_acceptance < 1:
+        raise SystemExit(
+            f"ddtree bench: --ddtree-acceptance must be >= 1, got {args.ddtree_acceptance}"
+        )
     if not isinstance(args.ddtree_options, dict):
         raise SystemExit("ddtree bench: --ddtree-options must be a JSON object")
     if "ddtree_budget_per_batch_size" in args.ddtree_options and args.ddtree_schedules:

@@ -35,7 +35,10 @@ class Settings:
     - ``DDTREE_TREE_KERNELS=auto|torch|fused``: the V2 runner's tree build, walk and KV
       compaction in ``ddtree.kernels`` (auto, fused: Triton, 10-25x faster than the torch ops
       on the H200 and token-identical in its equality suite) or in torch ops (the reference;
-      the only choice on the CPU and the V1 runner).
+      the only choice on the CPU and the V1 runner);
+    - ``DDTREE_ACCEPTANCE=N``: every N steps, what each budget K <= B would have accepted on
+      the steps' walks (``ddtree.budget.AcceptanceCurve``: device sums, one host read per log
+      line), logged as ``ddtree-acceptance {...}`` (``ddtree bench --ddtree-acceptance``).
     """
 
     tree_attention: str = "auto"
@@ -44,6 +47,7 @@ class Settings:
     profile_every: int = 0
     profile_ops: bool = False
     tree_kernels: str = "auto"
+    acceptance_every: int = 0
 
     @property
     def fused_tree_kernels(self) -> bool:
@@ -64,6 +68,9 @@ class Settings:
         profile = os.environ.get("DDTREE_PROFILE", "0") or "0"
         if not profile.isdigit():
             raise ValueError(f"DDTREE_PROFILE must be a number of steps, got {profile!r}")
+        acceptance = os.environ.get("DDTREE_ACCEPTANCE", "0") or "0"
+        if not acceptance.isdigit():
+            raise ValueError(f"DDTREE_ACCEPTANCE must be a number of steps, got {acceptance!r}")
         tree_kernels = os.environ.get("DDTREE_TREE_KERNELS", "auto")
         if tree_kernels not in TREE_KERNELS_CHOICES:
             raise ValueError(
@@ -76,6 +83,7 @@ class Settings:
             profile_every=int(profile),
             profile_ops=os.environ.get("DDTREE_PROFILE_OPS") == "1",
             tree_kernels=tree_kernels,
+            acceptance_every=int(acceptance),
         )
 
 

@@ -103,3 +103,34 @@ class StepProfile:
                 "ddtree-profile %s", json.dumps({"steps": self.steps, "ms_per_step": report})
             )
             self.sums, self.steps = {}, 0
+
+
+ACCEPTANCE_MARKER = "ddtree-acceptance "  # parsed by ddtree.bench.report
+
+
+class AcceptanceLog:
+    """``DDTREE_ACCEPTANCE=N``: an :class:`ddtree.budget.AcceptanceCurve` fed by every walk
+    (:meth:`update`, no sync: recordable in a CUDA graph) and logged every N steps
+    (:meth:`step`, one host read) as ``ddtree-acceptance {"steps", "budget", "rows",
+    "accepted"}``, the sums since the last line."""
+
+    def __init__(self, every: int, budget: int, device):
+        from ddtree.budget import AcceptanceCurve
+
+        self.every, self.budget = every, budget
+        self.curve = AcceptanceCurve(budget, device)
+        self.steps = 0
+
+    def update(self, path: torch.Tensor, verified: torch.Tensor) -> None:
+        self.curve.update(path, verified)
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps >= self.every:
+            from ddtree.vllm_plugin.graphs import sync_allowed
+
+            with sync_allowed():  # the one host read, asked for by DDTREE_ACCEPTANCE
+                sums = self.curve.take()
+            report = {"steps": self.steps, "budget": self.budget, **sums}
+            log.warning("%s%s", ACCEPTANCE_MARKER, json.dumps(report, separators=(",", ":")))
+            self.steps = 0

@@ -17,7 +17,7 @@ import torch
 from ddtree.tree import DraftTree
 from ddtree.vllm_plugin import graphs
 from ddtree.vllm_plugin.config import DDTreeOptions, Settings
-from ddtree.vllm_plugin.debug import StepProfile
+from ddtree.vllm_plugin.debug import AcceptanceLog, StepProfile
 
 
 @dataclass
@@ -74,6 +74,7 @@ class EngineState:
     path: torch.Tensor | None = None  # long [R, D+1]: this step's accepted slots, -1 pad
     gdn_pending: list = field(default_factory=list)  # gdn.PendingCommit per linear layer
     attention_active: bool = False  # True only during the target forward
+    acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE: made at the first walk
 
     def __post_init__(self) -> None:
         if self.profile is None and self.settings.profile_every > 0:

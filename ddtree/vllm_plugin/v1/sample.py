@@ -13,7 +13,7 @@ import torch
 from ddtree.sampling import process_logits
 from ddtree.verify import walk
 from ddtree.vllm_plugin import gdn, graphs
-from ddtree.vllm_plugin.debug import sync_checked
+from ddtree.vllm_plugin.debug import AcceptanceLog, sync_checked
 from ddtree.vllm_plugin.state import EngineState
 from ddtree.vllm_plugin.v1 import options
 from ddtree.vllm_plugin.v1.commit import commit_kv
@@ -107,6 +107,13 @@ def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sam
             out,
         )
     engine.path = acceptance.path
+    if engine.settings.acceptance_every:
+        if engine.acceptance is None:
+            engine.acceptance = AcceptanceLog(
+                engine.settings.acceptance_every, engine.options.budget, device
+            )
+        engine.acceptance.update(acceptance.path, (tb.tree.tokens[:, 1:] >= 0).sum(1))
+        engine.acceptance.step()
     engine.mark("commit")
     commit_kv(engine, runner, tb, acceptance.path)
     if engine.gdn_pending:

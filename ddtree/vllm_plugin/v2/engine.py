@@ -16,6 +16,7 @@ from ddtree.tree import DraftTree
 from ddtree.vllm_plugin import attention, graphs
 from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+from ddtree.vllm_plugin.debug import AcceptanceLog
 from ddtree.vllm_plugin.state import LayerBinding
 
 # Attention implementations whose cache layout (logical [blocks, kv heads, block, 2 x head])
@@ -100,6 +101,7 @@ class TreeEngine:
     capturing: bool = False  # the runner is capturing its graphs (decode graphs: all tree)
     walked: bool = False  # the sampler walked trees this step (the drafter reorders)
     uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
+    acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE (made by the TreeSampler)
     _fused_layers: dict | None = None
 
     def bind(self, runner, draft_layers: set[str]) -> None:

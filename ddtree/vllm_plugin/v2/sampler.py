@@ -15,6 +15,7 @@ import torch
 
 from ddtree.verify import walk
 from ddtree.vllm_plugin import graphs
+from ddtree.vllm_plugin.debug import AcceptanceLog
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
 
@@ -28,6 +29,10 @@ class TreeSampler:
             self._tail, warmup=_harmless, pool=engine.graph_pool,
             enabled=engine.settings.cuda_graphs,
         )  # fmt: skip
+        if engine.settings.acceptance_every:
+            engine.acceptance = AcceptanceLog(
+                engine.settings.acceptance_every, engine.options.budget, engine.tables.path.device
+            )
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
@@ -59,6 +64,8 @@ class TreeSampler:
         inputs = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in inputs]
         sampled, num_sampled, num_rejected = self.tail(*inputs, active)
         self.engine.walked = True
+        if self.engine.acceptance is not None:
+            self.engine.acceptance.step()
         logprobs = None
         if return_logprobs:
             mode = self.sampler.logprobs_mode
@@ -131,6 +138,8 @@ class TreeSampler:
         num_sampled = torch.where(chunk > 0, 0, acceptance.num_accepted + 1)
         num_rejected = torch.where(chunk > 0, 0, num_logits - num_sampled)
         engine.tables.path[: target.shape[0]].copy_(acceptance.path)
+        if engine.acceptance is not None:  # persistent sums: recorded in the graph
+            engine.acceptance.update(acceptance.path, torch.where(active, num_logits - 1, 0))
         engine.commit(acceptance.path, active, start)
         return sampled, num_sampled.int(), num_rejected.int()
 
