@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
 #   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~6 min)
-#   bash benchmarks/h200.sh numerics # bf16 attention error: tree kernel vs FlashAttention (~1 min)
+#   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token,
+#                                    # no-spec vs chain vs DDTree vs float32 (~5 min)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
@@ -45,8 +46,11 @@ check)
   numerics
   equality 480
   ;;
-numerics)
+numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~4 min)
   numerics
+  timeout 400 python3 benchmarks/logit_numerics.py --budgets 15,63,255 \
+    --out "$OUT/logit_numerics.json" --plot "$OUT/logit_numerics.png" > "$OUT/logit_numerics.txt" 2>&1
+  tail -8 "$OUT/logit_numerics.txt"
   ;;
 eq)
   equality 400 "${EQ_CASES:?EQ_CASES: comma-separated cases of benchmarks/vllm_gpu_equality.py}"
