@@ -106,11 +106,15 @@ class DDTreeOptions:
     tree_parents: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def scheduled_budget(self, num_reqs: int) -> int | None:
-        """The schedule's budget for ``num_reqs`` requests (vLLM's rule: a gap or the tail
-        after the last range keeps the previous range's), or None without a schedule."""
+        """The schedule's budget for ``num_reqs`` requests, as vLLM's scheduler looks it up
+        (``build_dynamic_sd_schedule_lookup``), or None without a schedule."""
         if not self.budget_schedule:
             return None
-        return [b for first, _, b in self.budget_schedule if first <= max(num_reqs, 1)][-1]
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        size = max(num_reqs, 1)
+        ranges = [list(r) for r in self.budget_schedule]
+        return build_dynamic_sd_schedule_lookup(ranges, size, self.budget)[size]
 
     def step_budget(self, num_reqs: int, depth: int) -> int:
         """This step's B for ``num_reqs`` requests (a bucket of the V1 runner's graphs). With
