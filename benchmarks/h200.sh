@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
-#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~6 min)
+#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~10 min)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token,
-#                                    # no-spec vs chain vs DDTree vs float32 (~5 min)
+#                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
-#   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~9 min)
+#   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~20 min:
+#                                    # 3 repeats per point since a171101; detach it)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
-#   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~7 min)
+#   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
 #   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~10 min: detach)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
@@ -46,9 +47,9 @@ check)
   numerics
   equality 480
   ;;
-numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~4 min)
+numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)
   numerics
-  timeout 400 python3 benchmarks/logit_numerics.py --budgets 15,63,255 \
+  timeout 700 python3 benchmarks/logit_numerics.py --budgets 15,63,255 \
     --out "$OUT/logit_numerics.json" --plot "$OUT/logit_numerics.png" > "$OUT/logit_numerics.txt" 2>&1
   tail -8 "$OUT/logit_numerics.txt"
   ;;
@@ -56,12 +57,12 @@ eq)
   equality 400 "${EQ_CASES:?EQ_CASES: comma-separated cases of benchmarks/vllm_gpu_equality.py}"
   ;;
 bench)
-  timeout 300 python3 -m ddtree.cli bench --methods ar,dflash,ddtree --budgets 15,63,255 \
+  timeout 700 python3 -m ddtree.cli bench --methods ar,dflash,ddtree --budgets 15,63,255 \
     --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
     --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
-  timeout 280 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,ddtree \
+  timeout 700 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,ddtree \
     --budgets 15,63,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
     --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
   tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
@@ -87,7 +88,7 @@ tree)
   tail -30 "$OUT/tree.txt"
   ;;
 pair)
-  timeout 560 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
+  timeout 700 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
     --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
