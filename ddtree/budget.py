@@ -30,6 +30,16 @@ def accepted_within(path: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     return inside.sum(1)  # the inside slots are a prefix of the path: their count is its length
 
 
+def tokens_per_ms(accepted: list[float], step_ms: list[float]) -> list[float]:
+    """Expected tokens per ms of a request at each budget: (1 + accepted) / step time."""
+    return [(1 + a) / ms for a, ms in zip(accepted, step_ms, strict=True)]
+
+
+def fastest(speed: list[float], budgets: list[int]) -> int:
+    """The index of the fastest budget; ties go to the smaller budget."""
+    return max(range(len(budgets)), key=lambda j: (speed[j], -budgets[j]))
+
+
 def throughput_schedule(
     accepted: list[float], step_ms: list[list[float]], sizes: list[int], budgets: list[int],
     max_batch: int,
@@ -52,8 +62,7 @@ def throughput_schedule(
     schedule: list[list[int]] = []
     first = 1
     for i, size in enumerate(sizes):
-        speed = [(1 + a) / ms for a, ms in zip(accepted, step_ms[i], strict=True)]
-        budget = budgets[max(range(len(budgets)), key=lambda j: (speed[j], -budgets[j]))]
+        budget = budgets[fastest(tokens_per_ms(accepted, step_ms[i]), budgets)]
         last = max_batch if i == len(sizes) - 1 else min(size, max_batch)
         if schedule and schedule[-1][2] == budget:
             schedule[-1][1] = last

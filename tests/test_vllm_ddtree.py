@@ -126,18 +126,12 @@ def acceptance_logged(monkeypatch, caplog):
 
 def _acceptance(log: str, budget: int) -> tuple[list[int], list[int]]:
     """Summed ``ddtree-acceptance`` lines of a log: (rows, accepted) per K = 1..budget."""
-    import json
+    from ddtree.bench.report import parse_acceptance_log, sum_acceptance
 
-    from ddtree.vllm_plugin.debug import ACCEPTANCE_MARKER
-
-    rows, accepted = [0] * budget, [0] * budget
-    for line in log.splitlines():
-        if ACCEPTANCE_MARKER in line:
-            report = json.loads(line.split(ACCEPTANCE_MARKER, 1)[1])
-            assert report["budget"] == budget and report["steps"] == 1
-            rows = [a + b for a, b in zip(rows, report["rows"], strict=True)]
-            accepted = [a + b for a, b in zip(accepted, report["accepted"], strict=True)]
-    return rows, accepted
+    reports = parse_acceptance_log(log)
+    assert reports and all(r["budget"] == budget and r["steps"] == 1 for r in reports)
+    sums = sum_acceptance(reports)
+    return sums["rows"], sums["accepted"]
 
 
 def test_budget_per_batch_size_equals_no_spec(no_spec, acceptance_logged, caplog):

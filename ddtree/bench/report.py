@@ -15,8 +15,9 @@ from pathlib import Path
 
 CHAIN = "dflash"  # vLLM's default DFlash chain engine: the reference of every speed ratio
 NO_SPEC = "ar"
-PROFILE_MARKER = "ddtree-profile "  # vllm_plugin/debug.py StepProfile's log lines
-ACCEPTANCE_MARKER = "ddtree-acceptance "  # vllm_plugin/debug.py AcceptanceLog's log lines
+# The log lines vllm_plugin/debug.py writes (StepProfile, AcceptanceLog) and this module reads.
+PROFILE_MARKER = "ddtree-profile "
+ACCEPTANCE_MARKER = "ddtree-acceptance "
 
 
 def _point(row: dict) -> tuple[int, float]:
@@ -150,43 +151,47 @@ def markdown_table(rows: list[dict], cell: Callable[[dict], str], engines: list[
     return "\n".join(lines)
 
 
-def parse_profile_log(text: str) -> list[dict]:
-    """The ``ddtree-profile {...}`` reports in a log: ``[{"steps": n, "ms_per_step": {...}}]``.
-
-    The JSON follows the marker to the end of the line (vLLM prefixes the line with the
-    process name and the log level)."""
+def _marked_reports(
+    text: str, marker: str, valid: Callable[[dict], bool], needs: str
+) -> list[dict]:
+    """The JSON reports after ``marker`` in a log, one per line: the JSON follows the marker to
+    the end of the line (vLLM prefixes the line with the process name and the log level).
+    ValueError for a line that does not parse or that ``valid`` refuses (naming ``needs``)."""
+    name = marker.strip()
     reports = []
     for line in text.splitlines():
-        at = line.find(PROFILE_MARKER)
+        at = line.find(marker)
         if at < 0:
             continue
-        payload = line[at + len(PROFILE_MARKER) :].strip()
         try:
-            report = json.loads(payload)
+            report = json.loads(line[at + len(marker) :].strip())
         except json.JSONDecodeError as err:
-            raise ValueError(f"unreadable ddtree-profile line: {line!r}") from err
-        if not isinstance(report.get("ms_per_step"), dict) or not report.get("steps"):
-            raise ValueError(f"ddtree-profile line without steps / ms_per_step: {line!r}")
+            raise ValueError(f"unreadable {name} line: {line!r}") from err
+        if not valid(report):
+            raise ValueError(f"{name} line without {needs}: {line!r}")
         reports.append(report)
     return reports
+
+
+def parse_profile_log(text: str) -> list[dict]:
+    """The ``ddtree-profile {...}`` reports in a log: ``[{"steps": n, "ms_per_step": {...}}]``."""
+    return _marked_reports(
+        text,
+        PROFILE_MARKER,
+        lambda r: isinstance(r.get("ms_per_step"), dict) and bool(r.get("steps")),
+        "steps / ms_per_step",
+    )
 
 
 def parse_acceptance_log(text: str) -> list[dict]:
     """The ``ddtree-acceptance {...}`` reports in a log (``DDTREE_ACCEPTANCE``):
     ``[{"steps", "budget", "rows": [B], "accepted": [B]}]``."""
-    reports = []
-    for line in text.splitlines():
-        at = line.find(ACCEPTANCE_MARKER)
-        if at < 0:
-            continue
-        try:
-            report = json.loads(line[at + len(ACCEPTANCE_MARKER) :].strip())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"unreadable ddtree-acceptance line: {line!r}") from err
-        if not isinstance(report.get("rows"), list) or not isinstance(report.get("accepted"), list):
-            raise ValueError(f"ddtree-acceptance line without rows / accepted: {line!r}")
-        reports.append(report)
-    return reports
+    return _marked_reports(
+        text,
+        ACCEPTANCE_MARKER,
+        lambda r: isinstance(r.get("rows"), list) and isinstance(r.get("accepted"), list),
+        "rows / accepted",
+    )
 
 
 def sum_acceptance(reports: list[dict]) -> dict:
@@ -203,7 +208,7 @@ def budget_plan(rows: list[dict]) -> str | None:
     (read off the largest budget's walks, pooled over c), the expected tokens/s per request
     (1 + accepted) / ms per engine step at each (c, B), and the schedule that picks the best B
     per c (``ddtree.budget.throughput_schedule``). None when the run cannot say."""
-    from ddtree.budget import throughput_schedule
+    from ddtree.budget import fastest, throughput_schedule, tokens_per_ms
 
     fixed = {
         (r["engine"], *_point(r)): r
@@ -237,9 +242,12 @@ def budget_plan(rows: list[dict]) -> str | None:
             "|---:|" + "---:|" * len(budgets),
         ]
         for c, ms in zip(sizes, step_ms, strict=True):
-            speed = [1000 * (1 + a) / m for a, m in zip(accepted, ms, strict=True)]
-            best = max(range(len(budgets)), key=lambda j: (speed[j], -budgets[j]))
-            cells = [f"**{v:.0f}**" if j == best else f"{v:.0f}" for j, v in enumerate(speed)]
+            speed = tokens_per_ms(accepted, ms)
+            best = fastest(speed, budgets)
+            cells = [
+                f"**{1000 * v:.0f}**" if j == best else f"{1000 * v:.0f}"
+                for j, v in enumerate(speed)
+            ]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines += [
             "",

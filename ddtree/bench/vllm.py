@@ -777,20 +777,13 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         ("--max-tokens", args.max_tokens),
         ("--input-len", args.input_len),
         ("--repeats", args.repeats),
+        ("--ddtree-profile", args.ddtree_profile),  # these two: None when not given
+        ("--ddtree-acceptance", args.ddtree_acceptance),
     ):
-        if value < 1:
+        if value is not None and value < 1:
             raise SystemExit(f"ddtree bench: {flag} must be >= 1, got {value}")
-    if args.ddtree_profile is not None:
-        if args.ddtree_profile < 1:
-            raise SystemExit(
-                f"ddtree bench: --ddtree-profile must be >= 1, got {args.ddtree_profile}"
-            )
-        if "ddtree" not in methods:
-            raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
-    if args.ddtree_acceptance is not None and args.ddtree_acceptance < 1:
-        raise SystemExit(
-            f"ddtree bench: --ddtree-acceptance must be >= 1, got {args.ddtree_acceptance}"
-        )
+    if args.ddtree_profile is not None and "ddtree" not in methods:
+        raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
     if not isinstance(args.ddtree_options, dict):
         raise SystemExit("ddtree bench: --ddtree-options must be a JSON object")
     if "ddtree_budget_per_batch_size" in args.ddtree_options and args.ddtree_schedules:

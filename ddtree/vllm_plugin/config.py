@@ -65,12 +65,7 @@ class Settings:
         sync_debug = os.environ.get("DDTREE_SYNC_DEBUG") or None
         if sync_debug not in (None, "warn", "error"):
             raise ValueError(f"DDTREE_SYNC_DEBUG must be warn or error, got {sync_debug!r}")
-        profile = os.environ.get("DDTREE_PROFILE", "0") or "0"
-        if not profile.isdigit():
-            raise ValueError(f"DDTREE_PROFILE must be a number of steps, got {profile!r}")
-        acceptance = os.environ.get("DDTREE_ACCEPTANCE", "0") or "0"
-        if not acceptance.isdigit():
-            raise ValueError(f"DDTREE_ACCEPTANCE must be a number of steps, got {acceptance!r}")
+        profile, acceptance = _steps("DDTREE_PROFILE"), _steps("DDTREE_ACCEPTANCE")
         tree_kernels = os.environ.get("DDTREE_TREE_KERNELS", "auto")
         if tree_kernels not in TREE_KERNELS_CHOICES:
             raise ValueError(
@@ -80,11 +75,19 @@ class Settings:
             tree_attention=tree_attention,
             cuda_graphs=os.environ.get("DDTREE_CUDA_GRAPHS", "1") != "0",
             sync_debug=sync_debug,
-            profile_every=int(profile),
+            profile_every=profile,
             profile_ops=os.environ.get("DDTREE_PROFILE_OPS") == "1",
             tree_kernels=tree_kernels,
-            acceptance_every=int(acceptance),
+            acceptance_every=acceptance,
         )
+
+
+def _steps(name: str) -> int:
+    """A number of steps from environment variable ``name`` (unset or empty: 0, off)."""
+    value = os.environ.get(name, "0") or "0"
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a number of steps, got {value!r}")
+    return int(value)
 
 
 SETTINGS = Settings()  # replaced by Settings.from_env() in patches.register()

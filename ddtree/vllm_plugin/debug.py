@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ddtree.bench.report import ACCEPTANCE_MARKER, PROFILE_MARKER
 from ddtree.vllm_plugin import config
 
 log = logging.getLogger("vllm.ddtree")
@@ -100,12 +101,9 @@ class StepProfile:
             stages = [k for k in (*self.ORDER, "attention") if k in self.sums]
             report = {k: round(1000 * self.sums[k] / self.steps, 3) for k in stages}
             log.warning(
-                "ddtree-profile %s", json.dumps({"steps": self.steps, "ms_per_step": report})
+                "%s%s", PROFILE_MARKER, json.dumps({"steps": self.steps, "ms_per_step": report})
             )
             self.sums, self.steps = {}, 0
-
-
-ACCEPTANCE_MARKER = "ddtree-acceptance "  # parsed by ddtree.bench.report
 
 
 class AcceptanceLog:
