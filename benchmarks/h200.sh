@@ -21,6 +21,7 @@ export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed "s/^NVIDIA //")  # titles: the card it ran on
 
 gpu_tests() {
   timeout "$1" python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
@@ -59,12 +60,12 @@ eq)
 bench)
   timeout 700 python3 -m ddtree.cli bench --methods ar,dflash,ddtree --budgets 15,63,255 \
     --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
-    --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
+    --title "bundled pair, $GPU" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
   timeout 700 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods ar,dflash,ddtree \
     --budgets 15,63,255 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 2 \
-    --title "Qwen3-8B shapes (dummy weights), H200" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
+    --title "Qwen3-8B shapes (dummy weights), $GPU" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
   tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
   tail -20 "$OUT/bench_8b.txt"
   ;;
@@ -90,7 +91,7 @@ tree)
 pair)
   timeout 700 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
-    --title "bundled pair, H200" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
+    --title "bundled pair, $GPU" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
   ;;
@@ -98,7 +99,7 @@ sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per poin
   timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --ddtree-acceptance 50 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
     --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
-    --title "bundled pair, H200: budgets per batch size" --out /tmp/bench_sched \
+    --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1
   tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
   tail -30 "$OUT/bench_sched.txt"
