@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
 #   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~10 min)
-#   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token,
+#   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
+#                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~20 min:
@@ -50,7 +51,7 @@ check)
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)
   numerics
-  timeout 700 python3 benchmarks/logit_numerics.py --budgets 15,63,255 \
+  timeout 700 python3 benchmarks/logit_numerics.py --budgets "${NUM_BUDGETS:-15,63,255}" \
     --out "$OUT/logit_numerics.json" --plot "$OUT/logit_numerics.png" > "$OUT/logit_numerics.txt" 2>&1
   tail -8 "$OUT/logit_numerics.txt"
   ;;

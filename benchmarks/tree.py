@@ -82,6 +82,22 @@ def graph_time(step, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kernel_split(fn, repeats: int) -> dict[str, float]:
+    """Mean GPU microseconds per call of each kernel ``fn()`` launches (torch.profiler over
+    eager calls: the same kernels as the graph replays, without the graph's launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {e.key[:60]: round(e.self_device_time_total / repeats, 2) for e in kernels}
+
+
 def fused_row(logits, target, budget: int, repeats: int) -> dict:
     """Times of the ddtree.kernels path (preallocated buffers, as an engine would hold them)."""
     from ddtree import kernels
@@ -110,6 +126,7 @@ def fused_row(logits, target, budget: int, repeats: int) -> dict:
         "fused_walk_graph_ms": 1e3
         * graph_time(lambda: kernels.walk_fused(buffers.tree, target, out=acc), repeats),
     }
+    row["fused_kernels_us"] = kernel_split(build_walk, repeats)
     build_walk()
     ref = tree_from_ranked(*ranked, budget, chain_seed=True)
     fields = ("tokens", "parents", "depths", "mask", "scores", "ancestors", "num_nodes")
