@@ -11,7 +11,8 @@
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
-#   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~10 min: detach)
+#   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~12 min: detach;
+#                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
@@ -83,8 +84,9 @@ gdn)  # tree GDN kernel vs vLLM's chain kernel, Qwen3.6-27B GDN shapes (issue 21
   tail -16 "$OUT/gdn_tree.txt"
   ;;
 tree)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1
-  tail -2 "$OUT/kernels.txt"
+  timeout 200 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=150 \
+    tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1  # a hang dumps its stack
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/kernels.txt" | tail -12
   timeout 200 python3 benchmarks/tree.py --device cuda --impl both --vocabs 151936 \
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
@@ -99,8 +101,8 @@ pair)
 sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
   timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --ddtree-acceptance 50 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
-    --concurrency 1,4,16,32 --temperatures 0,1 --max-tokens 128 \
-    --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
+    --concurrency 1,4,16,32 --temperatures "${SCHED_TEMPS:-0,1}" --repeats "${SCHED_REPEATS:-3}" \
+    --max-tokens 128 --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1
   tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
   tail -30 "$OUT/bench_sched.txt"

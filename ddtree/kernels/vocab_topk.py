@@ -13,7 +13,8 @@ row, so the top-``k`` by logit are the top-``k`` by log-prob. Four launches, no 
    every top-k token is >= T; the tokens >= T ("survivors") lie in those chunks, ~1.07 per
    chunk for random logits, so slack is chosen to keep them within the bitonic path's size.
 3. ``_compact_kernel`` (rows x P): the survivors appended to a per-row buffer as int64 sort keys
-   (float order bits << 32 | 2**31 - 1 - id, all distinct) through an atomic counter.
+   (float order bits << 32 | 2**31 - 1 - id, all distinct), one atomic per segment; only the
+   chunks whose maximum reaches T are read.
 4. ``_select_kernel`` (rows): up to ``2 k`` survivors: a bitonic top-k of the buffer (the usual
    case). Up to the buffer's ``16 k``: the k-th key and then the k-th id among its ties found by
    bisection over the buffered survivors, the k winners compacted and sorted. More (heavy ties):
@@ -113,23 +114,39 @@ def _threshold_kernel(
 
 @triton.jit
 def _compact_kernel(
-    logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, count_ptr, buf_ptr,
-    CAP: tl.constexpr, SEGMENT: tl.constexpr, TILE: tl.constexpr,
+    logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, count_ptr, buf_ptr, chunks_ptr,
+    CAP: tl.constexpr, SEGMENT: tl.constexpr, CHUNK: tl.constexpr, TILE_CH: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     seg = tl.program_id(1)
+    NCH: tl.constexpr = SEGMENT // CHUNK
     base = _row_base(logits_ptr, row, depth, s_b, s_d)
     threshold = tl.load(thresh_ptr + 2 * row)
-    for first in tl.static_range(0, SEGMENT, TILE):  # tiles keep the registers low
-        ids = seg * SEGMENT + first + tl.arange(0, TILE)
-        real = ids < vocab
+    chunk_keys = chunks_ptr + (row * tl.num_programs(1) + seg) * NCH
+    # Only chunks whose maximum reaches T hold survivors (~k + slack of a row's ~V/16): the
+    # others' tokens are never read. Pass 1 counts, one atomic reserves the segment's slots,
+    # pass 2 writes them (the live chunks' tokens again, now from cache).
+    num = 0
+    for first in tl.static_range(0, NCH, TILE_CH):
+        chunk = first + tl.arange(0, TILE_CH)
+        live = tl.load(chunk_keys + chunk) >= threshold  # [TILE_CH]
+        ids = seg * SEGMENT + chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        real = live[:, None] & (ids < vocab)
         key = order_key(tl.load(base + ids, mask=real, other=0.0).to(tl.float32))
-        keep = real & (key >= threshold)
-        num = tl.sum(keep.to(tl.int32), 0)
-        if num > 0:
-            start = tl.atomic_add(count_ptr + row, num)
-            slot = start + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(buf_ptr + row * CAP + slot, pack_key(key, ids), mask=keep & (slot < CAP))
+        num += tl.sum(tl.sum((real & (key >= threshold)).to(tl.int32), 1), 0)
+    if num > 0:
+        slot = tl.atomic_add(count_ptr + row, num, sem="relaxed")
+        for first in tl.static_range(0, NCH, TILE_CH):
+            chunk = first + tl.arange(0, TILE_CH)
+            live = tl.load(chunk_keys + chunk) >= threshold
+            ids = seg * SEGMENT + chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+            real = live[:, None] & (ids < vocab)
+            key = order_key(tl.load(base + ids, mask=real, other=0.0).to(tl.float32))
+            keep = (real & (key >= threshold)).to(tl.int32)  # [TILE_CH, CHUNK]
+            per_chunk = tl.sum(keep, 1)
+            at = slot + (tl.cumsum(per_chunk, 0) - per_chunk)[:, None] + tl.cumsum(keep, 1) - 1
+            tl.store(buf_ptr + row * CAP + at, pack_key(key, ids), mask=(keep > 0) & (at < CAP))
+            slot += tl.sum(per_chunk, 0)
 
 
 @triton.jit
@@ -321,8 +338,9 @@ def draft_topk_fused(
         num_warps=threshold_num_warps(n_chunks),
     )  # fmt: skip
     _compact_kernel[(rows, num_seg)](
-        draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.buf,
-        CAP=cap, SEGMENT=segment, TILE=min(segment, 2048), num_warps=8,
+        draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.buf, ws.chunks,
+        CAP=cap, SEGMENT=segment, CHUNK=chunk, TILE_CH=min(segment // chunk, 2048 // chunk),
+        num_warps=8,
     )  # fmt: skip
     _select_kernel[(rows,)](
         draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.lse, ws.buf, ws.picked,
