@@ -87,7 +87,7 @@ tree)
   timeout 200 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=150 \
     tests/test_gpu_kernels.py > "$OUT/kernels.txt" 2>&1  # a hang dumps its stack
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/kernels.txt" | tail -12
-  timeout 200 python3 benchmarks/tree.py --device cuda --impl both --vocabs 151936 \
+  timeout 200 python3 benchmarks/tree.py --device cuda --impl "${TREE_IMPL:-both}" --vocabs 151936 \
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
   ;;
