@@ -30,6 +30,61 @@ def accepted_within(path: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     return inside.sum(1)  # the inside slots are a prefix of the path: their count is its length
 
 
+def predicted_within(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """What the drafter expects the budget-K tree to accept, for K = 1..``budget``.
+
+    A node is accepted iff the target's tokens match its whole root path; were the target's
+    distributions the drafter's marginals, that has probability ``exp(score)`` of the node, and
+    the expected accepted length of a tree is the sum over its nodes. ``scores``: float
+    ``[b, 1 + B']`` (:attr:`ddtree.tree.DraftTree.scores`, -inf padding). Returns float32
+    ``[b, budget]``, zero where K > B' (a tree that small says nothing of K); no host sync,
+    fixed shapes."""
+    expected = scores[:, 1 : budget + 1].float().exp().cumsum(1)  # [b, min(B', budget)]
+    return torch.nn.functional.pad(expected, (0, budget - expected.shape[1]))
+
+
+def expected_accepted(
+    rows: list[float], accepted: list[float], proposals: list[float], predicted: list[float],
+    min_rows: float,
+) -> list[float | None]:  # fmt: skip
+    """Expected accepted draft tokens per request step at every budget K = 1..B (entry K-1),
+    from the sums of :class:`AcceptanceCurve`; None where nothing is known of K.
+
+    Where at least ``min_rows`` request steps verified K, the measured mean. Above the largest
+    such K* (budgets no request verified lately) but where at least ``min_rows`` proposed
+    trees reached K, the measured value at K* plus the drafter's predicted gain from K* to K,
+    scaled by how well it predicted K* (measured / predicted, at most 1: drafters are
+    overconfident more often than not); with nothing measured, the prediction itself. Made
+    non-decreasing in K over the known entries (a tree contains every smaller budget's)."""
+    budget = len(rows)
+    measured = [a / n if n >= min_rows else None for a, n in zip(accepted, rows, strict=True)]
+    guess = [p / n if n >= min_rows else None for p, n in zip(predicted, proposals, strict=True)]
+    known = [k for k in range(budget) if measured[k] is not None]
+    top = known[-1] if known else None
+    scale = 1.0
+    if top is not None:
+        scale = min(1.0, measured[top] / guess[top]) if guess[top] else 0.0
+    out: list[float | None] = []
+    for k in range(budget):
+        if measured[k] is not None:
+            value = measured[k]
+        elif guess[k] is None:
+            value = None
+        elif top is None:
+            value = guess[k]
+        elif k < top:  # a gap below K*: the measured neighbours bound it
+            value = None
+        else:
+            value = measured[top] + scale * (guess[k] - (guess[top] or 0.0))
+        out.append(value)
+    best = None
+    for k, value in enumerate(out):
+        if value is not None:
+            best = value if best is None else max(best, value)
+            out[k] = best
+    return out
+
+
 def tokens_per_ms(accepted: list[float], step_ms: list[float]) -> list[float]:
     """Expected tokens per ms of a request at each budget: (1 + accepted) / step time."""
     return [(1 + a) / ms for a, ms in zip(accepted, step_ms, strict=True)]
@@ -84,6 +139,9 @@ class AcceptanceCurve:
         self.budgets = torch.arange(1, budget + 1, device=device)  # [B]
         self.accepted = torch.zeros(budget, dtype=torch.long, device=device)  # [B]
         self.rows = torch.zeros(budget, dtype=torch.long, device=device)  # [B]
+        # the drafter's own expectation (predicted_within) over the proposed trees
+        self.predicted = torch.zeros(budget, dtype=torch.float32, device=device)  # [B]
+        self.proposals = torch.zeros(budget, dtype=torch.long, device=device)  # [B]
 
     def update(self, path: torch.Tensor, verified: torch.Tensor) -> None:
         """``path`` long ``[R, D + 1]`` (walked), ``verified`` long ``[R]``: the tree nodes
@@ -92,12 +150,29 @@ class AcceptanceCurve:
         self.accepted.add_((accepted_within(path, self.budgets) * valid).sum(0))
         self.rows.add_(valid.sum(0))
 
+    def propose(self, scores: torch.Tensor, real: torch.Tensor) -> None:
+        """``scores`` float ``[R, 1 + B']`` of proposed trees, ``real`` bool ``[R]``: rows
+        that are requests (not a graph's padding). Counts at K <= B' only."""
+        budget = self.budgets.shape[0]
+        self.predicted.add_((predicted_within(scores, budget) * real[:, None]).sum(0))
+        reached = (self.budgets <= scores.shape[1] - 1).long()  # [B]: fixed by the shape
+        self.proposals.add_(reached * real.sum())
+
+    def sums(self) -> torch.Tensor:
+        """All sums in one float64 device tensor ``[4 B]`` (rows, accepted, proposals,
+        predicted): one copy to the host reads them."""
+        parts = (self.rows, self.accepted, self.proposals, self.predicted)
+        return torch.cat([p.double() for p in parts])
+
+    def zero(self) -> None:
+        for tensor in (self.rows, self.accepted, self.predicted, self.proposals):
+            tensor.zero_()
+
     def take(self) -> dict:
         """The sums so far as plain lists (a host read), then zeroed:
         ``{"rows": [B], "accepted": [B]}``, entry K-1 for budget K."""
         out = {"rows": self.rows.tolist(), "accepted": self.accepted.tolist()}
-        self.rows.zero_()
-        self.accepted.zero_()
+        self.zero()
         return out
 
 

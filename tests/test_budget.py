@@ -94,3 +94,97 @@ def test_acceptance_curve_sums_valid_budgets_and_resets():
     second = curve.take()
     assert mean_accepted([first, second]) == [2 / 3, 3 / 3, 4 / 2, 4 / 2]  # rows 3, 3, 2, 2
     assert mean_accepted([{"rows": [0, 1], "accepted": [0, 1]}]) == [None, 1.0]
+
+
+def test_predicted_within_sums_the_path_probabilities_of_each_smaller_tree():
+    """The drafter's expected accepted length of the budget-K tree: the sum over its first K
+    nodes of exp(score), -inf padding adding nothing; 0 past the tree's own size."""
+    from ddtree.budget import predicted_within
+
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    tree = ddtree.build_tree(logits, 20, chain_seed=True)
+    got = predicted_within(tree.scores, 24)  # [3, 24]
+    probs = tree.scores[:, 1:].exp()
+    for k in range(1, 21):
+        assert torch.allclose(got[:, k - 1], probs[:, :k].sum(1))
+    assert (got[:, 20:] == 0).all()
+    # A one-hot drafter expects its whole chain: D tokens.
+    sure = torch.full((1, 4, 50), -1e4)
+    sure[..., 7] = 0.0
+    chain = ddtree.build_tree(sure, 4, chain_seed=True)
+    assert torch.allclose(predicted_within(chain.scores, 4)[:, 3], torch.tensor(4.0))
+
+
+def test_expected_accepted_measures_then_extrapolates_with_the_drafter():
+    from ddtree.budget import expected_accepted
+
+    # K = 1..5; K = 3, 4 verified by too few request steps: extrapolated from K* = 2 with the
+    # drafter's predicted gain, scaled by measured / predicted at K* (1.2 / 1.6 = 0.75); K = 5
+    # neither verified nor proposed often enough: unknown.
+    rows = [100, 100, 3, 0, 0]
+    accepted = [80, 120, 5, 0, 0]
+    proposals = [100, 100, 100, 100, 2]
+    predicted = [90.0, 160.0, 200.0, 260.0, 6.0]  # means 0.9, 1.6, 2.0, 2.6
+    got = expected_accepted(rows, accepted, proposals, predicted, min_rows=10)
+    assert got[:4] == pytest.approx([0.8, 1.2, 1.2 + 0.75 * 0.4, 1.2 + 0.75 * 1.0])
+    assert got[4] is None
+    # Never decreasing in K.
+    noisy = expected_accepted([50, 50, 50], [40, 35, 45], [0] * 3, [0.0] * 3, min_rows=10)
+    assert noisy == pytest.approx([0.8, 0.8, 0.9])
+    # Nothing measured: the prediction; nothing at all: unknown.
+    assert expected_accepted([0, 0], [0, 0], [10, 10], [5.0, 8.0], 1) == pytest.approx([0.5, 0.8])
+    assert expected_accepted([0, 0], [0, 0], [0, 0], [0.0, 0.0], 1) == [None, None]
+
+
+def test_tuner_moves_the_schedule_with_traffic_and_writes_the_lookup_in_place():
+    """A BudgetTuner on the CPU: once walks accept deep, the lone request takes the whole tree
+    (flat step times) while 8 requests keep the chain (step time grows with the tokens); the
+    scheduler's lookup list is rewritten in place."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.tuner import BudgetTuner
+
+    options = DDTreeOptions(budget=31, auto_budget=True, budget_schedule=((1, 8, 7),))
+    lookup = build_dynamic_sd_schedule_lookup([[1, 8, 7]], 8, 31)
+    options.live_lookup = lookup
+    held = lookup
+    step_ms = [[10.0, 10.0, 10.0], [10.0, 10.5, 11.0], [10.0, 11.0, 20.0], [10.0, 20.0, 60.0]]
+    tuner = BudgetTuner(options, [1, 2, 4, 8], [7, 15, 31], step_ms, 8, torch.device("cpu"), 2)
+    # Every request step verified 31 nodes and accepted slots 1, 9, 20, 28 (deep paths); the
+    # drafter expected almost nothing (alone it would pick the chain everywhere): the measured
+    # means win wherever enough request steps verified the budget.
+    path = torch.tensor([[0, 1, 9, 20, 28, -1, -1, -1]] * 16)
+    scores = torch.cat([torch.zeros(16, 1), torch.full((16, 31), -6.0)], 1)
+    real = torch.arange(16) < 12  # 4 padding rows: not counted as proposals
+    for _ in range(3):  # 2 steps start a copy, the third folds it in
+        tuner.proposed(scores, real)
+        tuner.walked(path, torch.full((16,), 31))
+        tuner.step()
+    assert tuner.totals.view(4, -1)[2].tolist() == [24] * 31  # proposals: 2 steps x 12
+    assert tuner.curve.rows[0] == 16  # the third step's walks: not folded yet
+    # accepted(7) = 1, accepted(15) = 2, accepted(31) = 4 tokens:
+    # 1 request: 2/10, 3/10, 5/10 -> 31; 2: 31 (5/11 > 3/10.5); 4: 15 (3/11 > 5/20 > 2/10);
+    # 8: 7 (2/10 > 3/20).
+    assert options.budget_schedule == ((1, 2, 31), (3, 4, 15), (5, 8, 7))
+    assert lookup is held and lookup[1:] == [31, 31, 15, 15, 7, 7, 7, 7]
+
+
+def test_tuner_keeps_a_larger_budget_that_nothing_measured_yet():
+    """Traffic only at batch sizes that verify 15-node trees says nothing of 31: the lone
+    request keeps its 31 (only its own steps can tell) while the other sizes follow the data
+    (here: 15 accepts no more than 7 at the same cost, so 7)."""
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.tuner import BudgetTuner
+
+    schedule = ((1, 1, 31), (2, 4, 15), (5, 8, 7))
+    options = DDTreeOptions(budget=31, auto_budget=True, budget_schedule=schedule)
+    step_ms = [[10.0, 10.0, 10.0]] * 4
+    tuner = BudgetTuner(options, [1, 2, 4, 8], [7, 15, 31], step_ms, 8, torch.device("cpu"), 1)
+    path = torch.tensor([[0, 1, -1, -1]] * 32)
+    scores = torch.cat([torch.zeros(32, 1), torch.full((32, 15), -0.1)], 1)  # 15-node trees
+    for _ in range(2):
+        tuner.proposed(scores, torch.ones(32, dtype=torch.bool))
+        tuner.walked(path, torch.full((32,), 15))
+        tuner.step()
+    assert options.budget_schedule == ((1, 1, 31), (2, 8, 7))

@@ -256,6 +256,9 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     config.model_config.max_model_len = 1025
     config.speculative_config.ddtree = DDTreeOptions(511)
     check_settings(config)  # what the H200 suite verified passes
+    config.speculative_config.ddtree = DDTreeOptions(511, auto_budget=True)
+    with pytest.raises(NotImplementedError, match='ddtree_budget_per_batch_size "auto" runs on'):
+        check_settings(config)
 
 
 def test_request_options_refused_per_runner():
@@ -325,7 +328,8 @@ def test_budget_per_batch_size_option():
         ([[1, 4, 65]], "must be in \\[1, ddtree_budget=64\\]"),
         ([[1, 4, 0]], "must be in"),
         ([[1, 4]], "3-item"),
-        ("fast", "non-empty list"),
+        ("fast", 'or "auto"'),
+        ({}, "non-empty list"),
         ([[1, 4, 8.5]], "ints"),
     ]
     for schedule, message in bad:
@@ -335,6 +339,12 @@ def test_budget_per_batch_size_option():
         parse_options(
             {**base, "ddtree_budget_per_batch_size": [[1, 4, 8]], "ddtree_max_verify_tokens": 99}
         )
+    # "auto": the tuner's schedule (tuner.py); vLLM starts from the whole budget.
+    spec, options = parse_options({**base, "ddtree_budget_per_batch_size": "auto"})
+    assert options.auto_budget and options.budget_schedule is None
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 64]]
+    with pytest.raises(ValueError, match="drop ddtree_max_verify_tokens / ddtree_max_verify_cost"):
+        parse_options({**base, "ddtree_budget_per_batch_size": "auto", "ddtree_max_verify_cost": 2})
 
 
 def test_hybrid_targets_refused_on_cuda_and_with_prefix_caching(monkeypatch):

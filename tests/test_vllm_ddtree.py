@@ -154,6 +154,46 @@ def test_budget_per_batch_size_equals_no_spec(no_spec, acceptance_logged, caplog
     assert verified == counts["num_draft_tokens"], (verified, counts)
 
 
+def test_auto_budget_schedule_equals_no_spec(no_spec, monkeypatch, caplog):
+    """``ddtree_budget_per_batch_size: "auto"``: the target's forward is timed at start-up for
+    every (request bucket, candidate budget), the first schedule goes into vLLM's scheduler,
+    and every 4 steps (DDTREE_TUNE_EVERY) the acceptance measured on the walks moves it. The
+    scheduler reads the tuner's list itself, and greedy output stays no-spec's while the
+    budgets change under it."""
+    import dataclasses
+
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from ddtree.vllm_plugin import config
+
+    monkeypatch.setattr(config, "SETTINGS", dataclasses.replace(config.SETTINGS, tune_every=4))
+    caplog.set_level(logging.INFO, logger="vllm.ddtree")
+    spec = ddtree_spec(64, ddtree_budget_per_batch_size="auto")
+    with engine(spec=spec) as llm:
+        assert greedy(llm) == no_spec[0]
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        options = config.options_of(scheduler.vllm_config.speculative_config)
+        assert options.auto_budget and scheduler.dynamic_sd_lookup is options.live_lookup
+        ranges = [list(r) for r in options.budget_schedule]
+        assert scheduler.dynamic_sd_lookup == build_dynamic_sd_schedule_lookup(ranges, 4, 64)
+        params = vllm.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        assert len(llm.generate(PROMPTS * 3, params)) == 12  # more steps for the tuner
+        updates, verified, proposed = llm.collective_rpc(_tuner_counts)[0]
+    assert updates >= 1 and verified > 0 and proposed > 0, (updates, verified, proposed)
+    log = caplog.text
+    assert "ddtree budgets by throughput: candidates [15, 31, 63, 64]" in log, log[-3000:]
+
+
+def _tuner_counts(worker) -> tuple[int, float, float]:
+    """(schedule updates, request steps verified at K = 1, proposals reaching K = 1) of the
+    worker's DDTree tuner, in decayed totals."""
+    from ddtree.vllm_plugin.patches import engine_of
+
+    tuner = engine_of(worker.model_runner).tuner
+    rows, _, proposals, _ = tuner.totals.view(4, -1)
+    return tuner.updates, float(rows[0]), float(proposals[0])
+
+
 def _spec_counts(llm) -> dict[str, float]:
     return {
         m.name.removeprefix("vllm:spec_decode_"): m.value

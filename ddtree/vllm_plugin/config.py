@@ -36,6 +36,8 @@ class Settings:
       compaction in ``ddtree.kernels`` (auto, fused: Triton, 10-25x faster than the torch ops
       on the H200 and token-identical in its equality suite) or in torch ops (the reference;
       the only choice on the CPU and the V1 runner);
+    - ``DDTREE_TUNE_EVERY=N``: steps between updates of an ``"auto"`` budget schedule
+      (default 64; ``tuner.py``);
     - ``DDTREE_ACCEPTANCE=N``: every N steps, what each budget K <= B would have accepted on
       the steps' walks (``ddtree.budget.AcceptanceCurve``: device sums, one host read per log
       line), logged as ``ddtree-acceptance {...}`` (``ddtree bench --ddtree-acceptance``).
@@ -48,6 +50,7 @@ class Settings:
     profile_ops: bool = False
     tree_kernels: str = "auto"
     acceptance_every: int = 0
+    tune_every: int = 64
 
     @property
     def fused_tree_kernels(self) -> bool:
@@ -79,6 +82,7 @@ class Settings:
             profile_ops=os.environ.get("DDTREE_PROFILE_OPS") == "1",
             tree_kernels=tree_kernels,
             acceptance_every=acceptance,
+            tune_every=_steps("DDTREE_TUNE_EVERY") or 64,
         )
 
 
@@ -104,6 +108,10 @@ class DDTreeOptions:
     bucket_budgets: dict[int, int] | None = None  # {request bucket: B_step}, from the cost model
     # ((first, last, B_step), ...): batch-size ranges (sorted) and the budget each verifies
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
+    # ddtree_budget_per_batch_size "auto": budget_schedule is chosen by throughput while
+    # serving (tuner.py) and written into the scheduler's lookup, shared here once it exists
+    auto_budget: bool = False
+    live_lookup: list[int] | None = field(default=None, repr=False, compare=False)
     # Structured-output requests (V1 runner): request id -> parent slot of each draft, from
     # the proposer to the scheduler's grammar bitmask (v1/grammar.py); one process only.
     tree_parents: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
@@ -170,8 +178,9 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
             "ddtree_max_verify_cost must be a number >= 1.0 (a step's verify forward time over "
             f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
         )
+    auto = schedule == "auto"
     if schedule is not None:
-        schedule = budget_schedule(schedule, budget)
+        schedule = None if auto else budget_schedule(schedule, budget)
         if max_verify_cost is not None or max_verify_tokens not in ("default", None):
             raise ValueError(
                 "ddtree_budget_per_batch_size sets the budget per batch size itself: drop "
@@ -180,7 +189,10 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
         max_verify_tokens = None
         # vLLM's dynamic speculative decoding: the scheduler verifies K of the B drafts for
         # the step's batch size; the first 1 + K slots of a DDTree tree are its budget-K tree.
-        spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
+        # "auto" starts from the whole budget; the tuner rewrites the lookup at start-up.
+        spec["num_speculative_tokens_per_batch_size"] = (
+            [[1, 1, budget]] if auto else [list(r) for r in schedule]
+        )
     if max_verify_tokens == "default":
         # The cost model measures what the fixed cap guesses: with it, no cap by default.
         cap = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
@@ -196,17 +208,20 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
     spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
     cost = None if max_verify_cost is None else float(max_verify_cost)
     return spec, DDTreeOptions(
-        budget, chain_seed, max_verify_tokens, cost, budget_schedule=schedule
+        budget, chain_seed, max_verify_tokens, cost, budget_schedule=schedule, auto_budget=auto
     )
 
 
 def budget_schedule(schedule, budget: int) -> tuple[tuple[int, int, int], ...]:
     """``ddtree_budget_per_batch_size``: ``[[first, last, B_step], ...]`` inclusive batch-size
     ranges (the first starting at 1) and the tree nodes verified per request there, each in
-    [1, ddtree_budget]; vLLM's own format (``num_speculative_tokens_per_batch_size``)."""
+    [1, ddtree_budget]; vLLM's own format (``num_speculative_tokens_per_batch_size``). (Or
+    ``"auto"``, which ``parse_options`` handles: chosen by throughput while serving.)"""
     from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
 
     hint = "ddtree_budget_per_batch_size: "
+    if isinstance(schedule, str):
+        raise ValueError(f'{hint}[[first, last, budget], ...] or "auto", got {schedule!r}')
     if isinstance(schedule, list):
         for entry in schedule:
             if not isinstance(entry, list | tuple) or not all(_is_int(x) for x in entry):

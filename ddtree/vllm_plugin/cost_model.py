@@ -108,6 +108,17 @@ def forward_seconds(runner, num_tokens: int, repeats: int = 5) -> float:
     return min(times)
 
 
+def monotone(counts: list[int], seconds: list[float]) -> dict[int, float]:
+    """``{tokens: seconds}`` made non-decreasing in the tokens (``counts`` increasing): more
+    tokens never cost less, and the running maximum smooths timing noise."""
+    return dict(zip(counts, itertools.accumulate(seconds, max), strict=True))
+
+
+def measured_costs(runner, counts: list[int]) -> dict[int, float]:
+    """The target's forward timed at each token count of ``counts`` (increasing), monotone."""
+    return monotone(counts, [forward_seconds(runner, n) for n in counts])
+
+
 def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> dict[int, int]:
     """Measure the target's forward on ``runner`` at every token count the choice can ask
     for, make the costs non-decreasing in the tokens (the running maximum: more tokens never
@@ -127,7 +138,7 @@ def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> 
     )
     start = time.perf_counter()
     measured = [forward_seconds(runner, n) for n in counts]
-    cost = dict(zip(counts, itertools.accumulate(measured, max), strict=True))
+    cost = monotone(counts, measured)
     table = choose_step_budgets(
         lambda n: cost[min(n, max_tokens)], buckets, budget, depth, max_cost_ratio, max_tokens
     )

@@ -108,6 +108,9 @@ def _patch_scheduler() -> None:
             # num_speculative_tokens + 1 = B + 1 slots, too few when B < D.
             depth = config.draft_depth(spec)
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, depth + 1)
+            options = options_of(spec)
+            if options.auto_budget:
+                _share_lookup(self, vllm_config, options)
 
     @wrap(Scheduler, "update_draft_token_ids")
     def update_draft_token_ids(original, self, draft_token_ids):
@@ -134,6 +137,26 @@ def _patch_scheduler() -> None:
         return v1_grammar.tree_grammar_bitmask(
             self, requests_, request_ids, spec_tokens, options.tree_parents
         )
+
+
+def _share_lookup(scheduler, vllm_config, options) -> None:
+    """``"auto"`` budgets: the scheduler's lookup starts at the tuner's first schedule and is
+    handed to it (``tuner.py``); both must live in this process."""
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend != "uni" or options.budget_schedule is None:
+        raise ValueError(
+            'ddtree_budget_per_batch_size "auto" needs the engine\'s one worker in its engine-'
+            f"core process (vLLM's uni executor, tensor_parallel_size 1; got {backend!r}): "
+            "with several workers pass a schedule, e.g. from `ddtree bench --ddtree-acceptance`"
+        )
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+        [list(r) for r in options.budget_schedule],
+        vllm_max_batch_size=scheduler.scheduler_config.max_num_seqs,
+        vllm_num_speculative_tokens=options.budget,
+    )
+    options.live_lookup = scheduler.dynamic_sd_lookup
 
 
 def _patch_request_validation() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.tree import DraftTree, draft_topk, tree_from_ranked
-from ddtree.vllm_plugin import config, cost_model, graphs
+from ddtree.vllm_plugin import config, cost_model, graphs, tuner
 from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.state import EngineState, concat_trees, padding_tree
 from ddtree.vllm_plugin.v1.commit import layer_commit
@@ -117,6 +117,10 @@ def make_proposer_class(base, check_settings):
                 chain_seed=engine.options.chain_seed,
             )
             engine.proposal = trees  # graph outputs: read before the next replay
+            if engine.tuner is not None:
+                rows = trees.scores.shape[0]  # the bucket + a padding row
+                real = torch.arange(rows, device=trees.scores.device) < num_reqs
+                engine.tuner.proposed(trees.scores, real)
             req_ids = self.runner.input_batch.req_ids[:num_reqs]
             engine.proposed = {req_id: i for i, req_id in enumerate(req_ids)}
             _share_tree_shapes(engine, self.runner, req_ids, trees.parents)
@@ -169,8 +173,12 @@ def reorder_context(engine: EngineState, token_ids, positions, hidden_states) ->
 
 def fit_step_budgets(engine: EngineState, runner) -> None:
     """Start-up, once, before DDTree's graphs: the cost model's step budget per request
-    bucket (``ddtree_max_verify_cost``; ``cost_model``)."""
+    bucket (``ddtree_max_verify_cost``; ``cost_model``), or the ``"auto"`` schedule's tuner."""
     options = engine.options
+    if options.auto_budget:
+        if engine.tuner is None:
+            engine.tuner = tuner.start(options, runner, engine.depth, engine.settings.tune_every)
+        return
     if options.max_verify_cost is None or options.bucket_budgets is not None:
         return
     options.bucket_budgets = cost_model.fit_step_budgets(

@@ -114,6 +114,9 @@ def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sam
             )
         engine.acceptance.update(acceptance.path, (tb.tree.tokens[:, 1:] >= 0).sum(1))
         engine.acceptance.step()
+    if engine.tuner is not None:
+        engine.tuner.walked(acceptance.path, (tb.tree.tokens[:, 1:] >= 0).sum(1))
+        engine.tuner.step()
     engine.mark("commit")
     commit_kv(engine, runner, tb, acceptance.path)
     if engine.gdn_pending:
