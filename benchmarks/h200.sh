@@ -44,7 +44,7 @@ numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain v
 }
 case "$1" in
 smoke)
-  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pairopts_nospec,pairopts_ddtree_64,random_nospec,random_ddtree_15
+  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pairopts_nospec,pairopts_ddtree_64,random_nospec,random_ddtree_15
   ;;
 check)
   gpu_tests 300
@@ -101,7 +101,7 @@ pair)
   ;;
 sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
   timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
-    --ddtree-acceptance 50 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
+    --ddtree-acceptance 50 --ddtree-auto 255 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
     --concurrency 1,4,16,32 --temperatures "${SCHED_TEMPS:-0,1}" --repeats "${SCHED_REPEATS:-3}" \
     --max-tokens 128 --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1

@@ -392,6 +392,7 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
             max_tokens=9,
             repeats=2,
             ddtree_schedules=[],
+            ddtree_auto=None,
             engines=[name],
             argv=argv,
             out=tmp_path,
@@ -526,6 +527,11 @@ def test_progress_files_give_one_bar_per_measurement(tmp_path, monkeypatch):
         (["--ddtree-schedules", '[[[1, "x", 3]]]'], "--ddtree-schedules .*ints"),
         (["--ddtree-schedules", "[[1, 4, 255]]"], "--ddtree-schedules"),
         (["--ddtree-schedules", "{}"], "must be a JSON list"),
+        (["--ddtree-auto", "0"], "--ddtree-auto must be a budget"),
+        (
+            ["--ddtree-auto", "63", "--ddtree-options", '{"ddtree_budget_per_batch_size": "auto"}'],
+            "use one",
+        ),
         (
             [
                 "--ddtree-schedules",
@@ -545,13 +551,17 @@ def test_bad_flag_values_name_the_flag(tmp_path, monkeypatch, flags, message):
 
 def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
     schedules = [[[1, 4, 255], [5, 512, 15]], [[1, 2, 63], [3, 512, 15]]]
-    names = bench.engine_names(["dflash", "ddtree"], [15], schedules)
-    assert names == ["dflash", "ddtree-15", "ddtree-s1", "ddtree-s2"]
+    names = bench.engine_names(["dflash", "ddtree"], [15], schedules, auto=127)
+    assert names == ["dflash", "ddtree-15", "ddtree-s1", "ddtree-s2", "ddtree-a127"]
     args = argparse.Namespace(
         target=tmp_path, draft=tmp_path, dtype="float32", max_model_len=64, dummy=False,
         concurrency=[1, 4], budgets=[15], ddtree_schedules=schedules, kv_cache_gib=1.0,
-        ddtree_options={"ddtree_chain_seed": False},
+        ddtree_options={"ddtree_chain_seed": False}, ddtree_auto=127,
     )  # fmt: skip
+    auto = bench.engine_kwargs("ddtree-a127", args)
+    assert auto["speculative_config"]["ddtree_budget"] == 127
+    assert auto["speculative_config"]["ddtree_budget_per_batch_size"] == "auto"
+    assert auto["max_num_batched_tokens"] >= 4 * 128
     spec = bench.engine_kwargs("ddtree-s2", args)["speculative_config"]
     assert spec["ddtree_budget"] == 63 and spec["ddtree_budget_per_batch_size"] == schedules[1]
     assert spec["ddtree_chain_seed"] is False

@@ -150,7 +150,8 @@ def test_tuner_moves_the_schedule_with_traffic_and_writes_the_lookup_in_place():
     options.live_lookup = lookup
     held = lookup
     step_ms = [[10.0, 10.0, 10.0], [10.0, 10.5, 11.0], [10.0, 11.0, 20.0], [10.0, 20.0, 60.0]]
-    tuner = BudgetTuner(options, [1, 2, 4, 8], [7, 15, 31], step_ms, 8, torch.device("cpu"), 2)
+    tuner = BudgetTuner(options, torch.device("cpu"), every=2)
+    tuner.set_costs([1, 2, 4, 8], [7, 15, 31], step_ms, 8)
     # Every request step verified 31 nodes and accepted slots 1, 9, 20, 28 (deep paths); the
     # drafter expected almost nothing (alone it would pick the chain everywhere): the measured
     # means win wherever enough request steps verified the budget.
@@ -173,18 +174,20 @@ def test_tuner_moves_the_schedule_with_traffic_and_writes_the_lookup_in_place():
 def test_tuner_keeps_a_larger_budget_that_nothing_measured_yet():
     """Traffic only at batch sizes that verify 15-node trees says nothing of 31: the lone
     request keeps its 31 (only its own steps can tell) while the other sizes follow the data
-    (here: 15 accepts no more than 7 at the same cost, so 7)."""
+    (here: 15 accepts no more than 7 at a 5% higher cost, so 7; at a 2% higher cost the
+    bucket would keep 15: changes need >= 3% more tokens per second)."""
     from ddtree.vllm_plugin.config import DDTreeOptions
     from ddtree.vllm_plugin.tuner import BudgetTuner
 
     schedule = ((1, 1, 31), (2, 4, 15), (5, 8, 7))
     options = DDTreeOptions(budget=31, auto_budget=True, budget_schedule=schedule)
-    step_ms = [[10.0, 10.0, 10.0]] * 4
-    tuner = BudgetTuner(options, [1, 2, 4, 8], [7, 15, 31], step_ms, 8, torch.device("cpu"), 1)
+    step_ms = [[10.0, 10.5, 10.5]] * 2 + [[10.0, 10.2, 10.5]] * 2
+    tuner = BudgetTuner(options, torch.device("cpu"), every=1)
+    tuner.set_costs([1, 2, 4, 8], [7, 15, 31], step_ms, 8)
     path = torch.tensor([[0, 1, -1, -1]] * 32)
     scores = torch.cat([torch.zeros(32, 1), torch.full((32, 15), -0.1)], 1)  # 15-node trees
     for _ in range(2):
         tuner.proposed(scores, torch.ones(32, dtype=torch.bool))
         tuner.walked(path, torch.full((32,), 15))
         tuner.step()
-    assert options.budget_schedule == ((1, 1, 31), (2, 8, 7))
+    assert options.budget_schedule == ((1, 1, 31), (2, 2, 7), (3, 4, 15), (5, 8, 7))

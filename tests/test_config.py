@@ -256,9 +256,6 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     config.model_config.max_model_len = 1025
     config.speculative_config.ddtree = DDTreeOptions(511)
     check_settings(config)  # what the H200 suite verified passes
-    config.speculative_config.ddtree = DDTreeOptions(511, auto_budget=True)
-    with pytest.raises(NotImplementedError, match='ddtree_budget_per_batch_size "auto" runs on'):
-        check_settings(config)
 
 
 def test_request_options_refused_per_runner():

@@ -181,7 +181,7 @@ def test_auto_budget_schedule_equals_no_spec(no_spec, monkeypatch, caplog):
         updates, verified, proposed = llm.collective_rpc(_tuner_counts)[0]
     assert updates >= 1 and verified > 0 and proposed > 0, (updates, verified, proposed)
     log = caplog.text
-    assert "ddtree budgets by throughput: candidates [15, 31, 63, 64]" in log, log[-3000:]
+    assert "ddtree budgets by throughput: candidates [15, 31, 63, 64]; step ms" in log, log[-3000:]
 
 
 def _tuner_counts(worker) -> tuple[int, float, float]:

@@ -364,6 +364,14 @@ def _style(engine: str, budgets: list[int]) -> dict:
         }
     if engine == NO_SPEC:
         return {"color": "0.5", "ls": ":", "lw": 2, "marker": "x", "label": "ar (no-spec)"}
+    if engine.startswith("ddtree-a"):  # ddtree_budget_per_batch_size "auto"
+        return {
+            "color": "tab:red",
+            "ls": "-",
+            "lw": 2.2,
+            "marker": "*",
+            "label": f"DDTree auto (B={engine[8:]})",
+        }
     if engine.startswith("ddtree-s"):  # a budget-per-batch-size schedule
         number = int(engine[8:])
         return {

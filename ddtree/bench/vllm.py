@@ -87,13 +87,17 @@ def write_dummy_shapes(out: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
-def engine_names(methods: list[str], budgets: list[int], schedules: list | tuple = ()) -> list[str]:
+def engine_names(
+    methods: list[str], budgets: list[int], schedules: list | tuple = (), auto: int | None = None
+) -> list[str]:
     """``methods`` with ``ddtree`` as one ``ddtree-<B>`` engine per budget, then one
-    ``ddtree-s<i>`` engine per schedule of ``--ddtree-schedules`` (i from 1)."""
+    ``ddtree-s<i>`` engine per schedule of ``--ddtree-schedules`` (i from 1), then
+    ``ddtree-a<B>`` for ``--ddtree-auto B``."""
     names = [m for m in methods if m != "ddtree"]
     if "ddtree" in methods:
         names += [f"ddtree-{b}" for b in budgets]
-    return names + [f"ddtree-s{i}" for i in range(1, len(schedules) + 1)]
+    names += [f"ddtree-s{i}" for i in range(1, len(schedules) + 1)]
+    return names + ([f"ddtree-a{auto}"] if auto else [])
 
 
 def schedule_label(schedule: list) -> str:
@@ -122,7 +126,8 @@ def engine_kwargs(name: str, args) -> dict:
 
     cuda = torch.cuda.is_available()
     scheduled = [b for schedule in args.ddtree_schedules for _, _, b in schedule]
-    widest = max(args.concurrency) * (1 + max([15, *args.budgets, *scheduled]))
+    auto = [args.ddtree_auto] if args.ddtree_auto else []
+    widest = max(args.concurrency) * (1 + max([15, *args.budgets, *scheduled, *auto]))
     kw = dict(
         model=str(args.target),
         dtype=args.dtype,
@@ -151,6 +156,14 @@ def engine_kwargs(name: str, args) -> dict:
             kw["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
         if async_scheduling is not None:
             kw["async_scheduling"] = async_scheduling
+    elif name.startswith("ddtree-a"):
+        spec = {
+            "method": "ddtree",
+            "model": str(args.draft),
+            **args.ddtree_options,
+            "ddtree_budget": int(name[8:]),
+            "ddtree_budget_per_batch_size": "auto",
+        }
     elif name.startswith("ddtree-s"):
         schedule = args.ddtree_schedules[int(name[8:]) - 1]
         spec = {
@@ -169,7 +182,8 @@ def engine_kwargs(name: str, args) -> dict:
         }
     else:
         raise ValueError(
-            f"unknown engine {name!r}: one of {METHODS[:-1]}, ddtree-<budget> or ddtree-s<i>"
+            f"unknown engine {name!r}: one of {METHODS[:-1]}, ddtree-<budget>, ddtree-s<i> or "
+            "ddtree-a<budget>"
         )
     kw["speculative_config"] = spec
     return kw
@@ -735,6 +749,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "largest B)",
     )
     parser.add_argument(
+        "--ddtree-auto",
+        type=int,
+        default=None,
+        metavar="B",
+        help='one more DDTree engine (ddtree-a<B>): budget B, ddtree_budget_per_batch_size "auto" '
+        "(the budget per batch size chosen by throughput while serving)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -786,6 +808,13 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
     if not isinstance(args.ddtree_options, dict):
         raise SystemExit("ddtree bench: --ddtree-options must be a JSON object")
+    if "ddtree_budget_per_batch_size" in args.ddtree_options and args.ddtree_auto:
+        raise SystemExit(
+            "ddtree bench: --ddtree-auto and ddtree_budget_per_batch_size in --ddtree-options "
+            "both set schedules: use one"
+        )
+    if args.ddtree_auto is not None and not 1 <= args.ddtree_auto <= 1024:
+        raise SystemExit("ddtree bench: --ddtree-auto must be a budget in [1, 1024]")
     if "ddtree_budget_per_batch_size" in args.ddtree_options and args.ddtree_schedules:
         raise SystemExit(
             "ddtree bench: --ddtree-schedules and ddtree_budget_per_batch_size in "
@@ -810,7 +839,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         args.target = args.target or root / "models" / "target"
         args.draft = args.draft or root / "models" / "drafter"
-    args.engines = engine_names(methods, args.budgets, args.ddtree_schedules)
+    args.engines = engine_names(methods, args.budgets, args.ddtree_schedules, args.ddtree_auto)
     args.argv = list(argv)
     if args.engine is not None:
         args.out.mkdir(parents=True, exist_ok=True)

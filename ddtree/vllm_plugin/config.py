@@ -131,9 +131,12 @@ class DDTreeOptions:
         """This step's B for ``num_reqs`` requests (a bucket of the V1 runner's graphs). With
         ``ddtree_budget_per_batch_size``: the largest scheduled budget of the batch sizes in
         the bucket (vLLM verifies the first 1 + K slots of each tree for the step's actual
-        size, which is the budget-K tree). Otherwise the budget, shrunk so that
+        size, which is the budget-K tree); with ``"auto"`` the whole budget (the tuner learns
+        every K's prediction from it). Otherwise the budget, shrunk so that
         ``num_reqs * (1 + B)`` stays within ``max_verify_tokens`` and to the start-up cost
         model's choice for the bucket, but never below the chain (``min(budget, D)`` nodes)."""
+        if self.auto_budget:  # whole trees: the drafter's own prediction covers every K
+            return self.budget
         if self.budget_schedule:
             sizes = range(num_reqs // 2 + 1, num_reqs + 1)  # the bucket (powers of two)
             return max(self.scheduled_budget(n) for n in sizes)

@@ -335,6 +335,13 @@ def _patch_v2_runner() -> None:
         if options_of(vllm_config.speculative_config) is None:
             return original(vllm_config, device)
         v2_prepare.check_settings(vllm_config)
+        spec = vllm_config.speculative_config
+        options = options_of(spec)
+        if options.auto_budget:  # a verify graph for every budget the tuner may choose
+            from ddtree.vllm_plugin.tuner import provisional_schedule
+
+            depth = config.draft_depth(spec)
+            spec.num_speculative_tokens_per_batch_size = provisional_schedule(options.budget, depth)
         return speculator_cls(vllm_config, device)
 
     runner_cls = mr2.GPUModelRunner

@@ -2,7 +2,7 @@
 throughput while serving.
 
 Per batch size the budget K with the most expected tokens per second of a request,
-``(1 + accepted(K)) / step_ms(bucket, K)`` (:func:`ddtree.budget.throughput_schedule`):
+``(1 + accepted(K)) / step_ms(bucket, K)`` (:func:`ddtree.budget.tokens_per_ms`):
 
 - ``step_ms``: the target's forward over ``bucket * (1 + K)`` tokens, timed once at start-up
   for every request bucket and candidate budget (``cost_model.forward_seconds``; more tokens
@@ -23,11 +23,15 @@ the options object: one engine-core process (vLLM's ``uni`` executor), checked a
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
-from ddtree.budget import AcceptanceCurve, expected_accepted, throughput_schedule
+from ddtree.budget import AcceptanceCurve, expected_accepted, fastest, tokens_per_ms
 from ddtree.vllm_plugin import cost_model, graphs
 from ddtree.vllm_plugin.config import DDTreeOptions
 
@@ -36,24 +40,21 @@ logger = logging.getLogger("vllm.ddtree")
 UPDATE_EVERY = 64  # steps between schedule updates (DDTREE_TUNE_EVERY)
 DECAY = 0.5  # weight of the older totals at each update: traffic changes, the choice follows
 MIN_ROWS = 16  # request steps (decayed totals) that verified K before its mean is trusted
+HYSTERESIS = 0.03  # a bucket changes budget only for >= 3% more expected tokens per second
 INITIAL_COST_RATIO = 1.25  # before any traffic: the largest K whose forward costs <= this x chain
 
 
 class BudgetTuner:
-    """One engine's auto budget schedule (made by :func:`start`)."""
+    """One engine's auto budget schedule. Made with the engine (its device sums must exist
+    before any graph that feeds them is captured); :func:`measure` gives it the step times
+    and the first schedule at the end of start-up."""
 
-    def __init__(
-        self,
-        options: DDTreeOptions,
-        sizes: list[int],
-        candidates: list[int],
-        step_ms: list[list[float]],
-        max_batch: int,
-        device: torch.device,
-        every: int = UPDATE_EVERY,
-    ):
-        self.options, self.sizes, self.candidates = options, sizes, candidates
-        self.step_ms, self.max_batch, self.every = step_ms, max_batch, every
+    def __init__(self, options: DDTreeOptions, device: torch.device, every: int = UPDATE_EVERY):
+        self.options, self.every = options, every
+        self.sizes: list[int] = []  # request buckets, increasing
+        self.candidates: list[int] = []  # budgets a schedule may pick, increasing
+        self.step_ms: list[list[float]] = []  # [sizes][candidates]
+        self.max_batch = 0
         self.curve = AcceptanceCurve(options.budget, device)
         cuda = device.type == "cuda"
         self.host = torch.zeros(4 * options.budget, dtype=torch.float64, pin_memory=cuda)
@@ -62,6 +63,13 @@ class BudgetTuner:
         self.pending = False
         self.steps = 0
         self.updates = 0
+
+    def set_costs(
+        self, sizes: list[int], candidates: list[int], step_ms: list[list[float]], max_batch: int
+    ) -> None:
+        self.sizes, self.candidates, self.step_ms, self.max_batch = (
+            sizes, candidates, step_ms, max_batch
+        )  # fmt: skip
 
     def walked(self, path: torch.Tensor, verified: torch.Tensor) -> None:
         """After a walk (graph-recordable): ``path`` long ``[R, D + 1]``, ``verified`` long
@@ -91,7 +99,7 @@ class BudgetTuner:
         self.totals.mul_(DECAY).add_(self.host)
         rows, accepted, proposals, predicted = self.totals.view(4, -1).tolist()
         expected = expected_accepted(rows, accepted, proposals, predicted, MIN_ROWS)
-        schedule = self.choose(expected)
+        schedule = self.choose(expected) if self.step_ms else None
         if schedule is None:
             return
         self.updates += 1
@@ -106,25 +114,33 @@ class BudgetTuner:
 
     def choose(self, expected: list[float | None]) -> list[list[int]] | None:
         """The schedule for ``expected`` accepted lengths (entry K-1; None: unknown): per
-        bucket the fastest budget among those known. A bucket whose budget now is above every
-        known one keeps it (nothing measured says it is worse, and only its own steps can)."""
+        bucket the budget with the most ``(1 + accepted) / step ms`` among the known ones,
+        unless the bucket's budget now is within ``HYSTERESIS`` of it (noise must not flip
+        the schedule every update) or above every known one (nothing measured says it is
+        worse, and only its own steps can)."""
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
         known = [k for k in self.candidates if expected[k - 1] is not None]
         if not known:
             return None
-        columns = [self.candidates.index(k) for k in known]
-        step_ms = [[row[j] for j in columns] for row in self.step_ms]
-        accepted = [expected[k - 1] for k in known]
-        best = throughput_schedule(accepted, step_ms, self.sizes, known, self.max_batch)
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
         now = build_dynamic_sd_schedule_lookup(
             [list(r) for r in self.options.budget_schedule], self.max_batch, self.options.budget
         )
-        ranges = [
-            [size, size, now[size] if now[size] > known[-1] else budget]
-            for first, last, budget in best
-            for size in range(first, last + 1)
-        ]
+        ranges, first = [], 1
+        for i, size in enumerate(self.sizes):
+            last = self.max_batch if i == len(self.sizes) - 1 else min(size, self.max_batch)
+            row = dict(zip(self.candidates, self.step_ms[i], strict=True))
+            speed = tokens_per_ms([expected[k - 1] for k in known], [row[k] for k in known])
+            best = known[fastest(speed, known)]
+            current = now[last]
+            keep = current > known[-1] or (
+                current in known
+                and speed[known.index(current)] * (1 + HYSTERESIS) >= speed[known.index(best)]
+            )
+            ranges.append([first, last, current if keep else best])
+            first = last + 1
+            if first > self.max_batch:
+                break
         return _merged(ranges, self.max_batch)
 
 
@@ -153,40 +169,90 @@ def describe(schedule) -> str:
     )
 
 
-def start(options: DDTreeOptions, runner, depth: int, every: int = UPDATE_EVERY) -> BudgetTuner:
-    """At start-up, before the scheduler exists: time the target's forward at every (request
-    bucket, candidate budget), set the first schedule (the largest budget whose forward costs
-    at most ``INITIAL_COST_RATIO`` x the chain's) and return the tuner that refines it."""
+def measure(
+    tuner: BudgetTuner, runner, depth: int, step_seconds: Callable[[int, int], float]
+) -> None:
+    """At the end of start-up, before the scheduler exists: time a step at every (request
+    bucket, candidate budget) with ``step_seconds(requests, budget)``, set the first schedule
+    (per bucket the largest budget whose step costs at most ``INITIAL_COST_RATIO`` x the
+    chain's) and hand both to ``tuner``."""
+    options = tuner.options
     scheduler = runner.scheduler_config
     max_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
     max_batch = scheduler.max_num_seqs
     sizes = graphs.buckets(max_batch)
     candidates = sorted(cost_model.candidate_budgets(options.budget, depth))
-    counts = sorted({b * (1 + k) for b in sizes for k in candidates if b * (1 + k) <= max_tokens})
-    seconds = cost_model.measured_costs(runner, counts)
-    # A (bucket, K) past the step's token limit is never chosen (the chain always fits:
-    # vLLM's own scheduler refuses a max_num_batched_tokens below max_num_seqs * (1 + D)).
     inf = float("inf")
-    step_ms = [[1e3 * seconds.get(b * (1 + k), inf) for k in candidates] for b in sizes]
-    table = cost_model.choose_step_budgets(
-        lambda n: seconds.get(n, float("inf")), sizes, options.budget, depth,
-        INITIAL_COST_RATIO, max_tokens,
-    )  # fmt: skip
-    first = [[1, 1, table[1]]]
-    for lo, b in zip(sizes, sizes[1:], strict=False):
-        first.append([lo + 1, b, table[b]])
+    step_ms = []
+    start = time.perf_counter()
+    for size in sizes:
+        reqs = min(size, max_batch)  # the last bucket may pass max_num_seqs
+        row = [
+            1e3 * step_seconds(reqs, k) if reqs * (1 + k) <= max_tokens else inf for k in candidates
+        ]
+        step_ms.append(list(itertools.accumulate(row, max)))  # a larger tree never costs less
+    first = []
+    for size, row in zip(sizes, step_ms, strict=True):
+        limit = INITIAL_COST_RATIO * row[0]  # candidates[0] is the chain
+        budget = max(k for k, ms in zip(candidates, row, strict=True) if ms <= limit)
+        first.append([size // 2 + 1, size, budget])
     apply(options, _merged(first, max_batch))
+    tuner.set_costs(sizes, candidates, step_ms, max_batch)
     logger.info(
-        "ddtree budgets by throughput: candidates %s; forward ms by (requests, budget): %s; "
-        "first schedule (no traffic yet): %s",
+        "ddtree budgets by throughput: candidates %s; step ms by (requests, budget), measured "
+        "in %.1f s: %s; first schedule (no traffic yet): %s",
         candidates,
+        time.perf_counter() - start,
         "; ".join(
             f"{b}: " + " ".join(f"{k}={ms:.2f}" for k, ms in zip(candidates, row, strict=True))
             for b, row in zip(sizes, step_ms, strict=True)
         ),
         describe(options.budget_schedule),
     )
-    return BudgetTuner(options, sizes, candidates, step_ms, max_batch, runner.device, every)
+
+
+def v1_step_seconds(runner) -> Callable[[int, int], float]:
+    """The V1 runner's step cost: the target's forward over ``requests * (1 + budget)``
+    tokens (``cost_model.forward_seconds``: vLLM's dummy batch, the drafter's left out; the
+    drafter's step does not depend on the budget)."""
+    return lambda reqs, budget: cost_model.forward_seconds(runner, reqs * (1 + budget))
+
+
+def v2_step_seconds(runner, repeats: int = 5) -> Callable[[int, int], float]:
+    """The V2 runner's step cost at ``requests`` x ``1 + budget`` tokens: its own dummy batch
+    of uniform decodes (``_dummy_run(uniform_decode=True)``, which splits the tokens by
+    ``decode_query_len``, set to ``1 + budget`` for the call), so the verify graph captured for
+    that query length replays, and the drafter's proposal after it. The fastest of
+    ``repeats``."""
+
+    def seconds(reqs: int, budget: int) -> float:
+        query = 1 + budget
+        saved = runner.decode_query_len
+        runner.decode_query_len = query
+        try:
+            run = functools.partial(
+                runner._dummy_run, reqs * query, uniform_decode=True, skip_eplb=True
+            )
+            run()  # warm
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - began)
+        finally:
+            runner.decode_query_len = saved
+        return min(times)
+
+    return seconds
+
+
+def provisional_schedule(budget: int, depth: int) -> list[list[int]]:
+    """Before start-up's timing: every candidate budget in the schedule once (batch size i
+    gets the i-th largest), so that the V2 runner captures a verify graph for each."""
+    candidates = sorted(cost_model.candidate_budgets(budget, depth), reverse=True)
+    return [[i, i, k] for i, k in enumerate(candidates, start=1)]
 
 
 def _merged(ranges: list[list[int]], max_batch: int) -> list[list[int]]:

@@ -176,8 +176,12 @@ def fit_step_budgets(engine: EngineState, runner) -> None:
     bucket (``ddtree_max_verify_cost``; ``cost_model``), or the ``"auto"`` schedule's tuner."""
     options = engine.options
     if options.auto_budget:
-        if engine.tuner is None:
-            engine.tuner = tuner.start(options, runner, engine.depth, engine.settings.tune_every)
+        if engine.tuner is None:  # the V1 runner feeds it eagerly: made here
+            engine.tuner = tuner.BudgetTuner(options, runner.device, engine.settings.tune_every)
+        if not engine.tuner.step_ms:
+            v2 = getattr(runner, "speculator", None) is not None
+            timer = tuner.v2_step_seconds(runner) if v2 else tuner.v1_step_seconds(runner)
+            tuner.measure(engine.tuner, runner, engine.depth, timer)
         return
     if options.max_verify_cost is None or options.bucket_budgets is not None:
         return

@@ -9,6 +9,7 @@ graphs read them in place: nothing here is reallocated after start-up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -102,6 +103,7 @@ class TreeEngine:
     walked: bool = False  # the sampler walked trees this step (the drafter reorders)
     uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
     acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE (made by the TreeSampler)
+    tuner: Any = None  # tuner.BudgetTuner of an "auto" budget schedule (made with the engine)
     _fused_layers: dict | None = None
 
     def bind(self, runner, draft_layers: set[str]) -> None:

@@ -30,14 +30,7 @@ def check_settings(vllm_config) -> None:
             "PIECEWISE or NONE, not FULL: a full graph of a mixed batch would replay the tree "
             "attention for prefill rows"
         )
-    options = config.options_of(vllm_config.speculative_config)
-    if options.auto_budget:
-        raise NotImplementedError(
-            'ddtree_budget_per_batch_size "auto" runs on the V1 model runner so far '
-            "(VLLM_USE_V2_MODEL_RUNNER=0); on the V2 runner pass a schedule, e.g. the one "
-            "`ddtree bench --ddtree-acceptance` suggests"
-        )
-    budget = options.budget
+    budget = config.options_of(vllm_config.speculative_config).budget
     max_model_len = vllm_config.model_config.max_model_len
     if 2 * budget + 3 > max_model_len:
         raise ValueError(

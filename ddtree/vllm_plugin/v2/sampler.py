@@ -66,6 +66,8 @@ class TreeSampler:
         self.engine.walked = True
         if self.engine.acceptance is not None:
             self.engine.acceptance.step()
+        if self.engine.tuner is not None:
+            self.engine.tuner.step()
         logprobs = None
         if return_logprobs:
             mode = self.sampler.logprobs_mode
@@ -140,6 +142,8 @@ class TreeSampler:
         engine.tables.path[: target.shape[0]].copy_(acceptance.path)
         if engine.acceptance is not None:  # persistent sums: recorded in the graph
             engine.acceptance.update(acceptance.path, torch.where(active, num_logits - 1, 0))
+        if engine.tuner is not None:  # likewise
+            engine.tuner.walked(acceptance.path, torch.where(active, num_logits - 1, 0))
         engine.commit(acceptance.path, active, start)
         return sampled, num_sampled.int(), num_rejected.int()
 

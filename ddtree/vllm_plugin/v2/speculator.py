@@ -38,6 +38,10 @@ def make_speculator_class(base):
             self.draft_logits = None  # the tree sampler needs no draft distribution
             tables = TreeTables(self.max_num_reqs, options.budget, depth, device)
             self.engine = TreeEngine(options, depth, config.SETTINGS, tables)
+            if options.auto_budget:  # its sums are fed inside graphs: made before any capture
+                from ddtree.vllm_plugin.tuner import BudgetTuner
+
+                self.engine.tuner = BudgetTuner(options, device, config.SETTINGS.tune_every)
             # The last proposal's node tokens [R, B] in batch order, for vLLM's draft tokens.
             self.draft_nodes = torch.zeros(
                 self.max_num_reqs, options.budget, dtype=torch.long, device=device
@@ -85,6 +89,9 @@ def make_speculator_class(base):
             trees = self._build_trees(logits)
             # Inside the graph: each tree under its request's row, its node tokens for vLLM.
             self.engine.tables.store(self.idx_mapping[:num_reqs].long(), trees)
+            if self.engine.tuner is not None:
+                real = self.idx_mapping[:num_reqs] != self.engine.tables.spare_row
+                self.engine.tuner.proposed(trees.scores, real)
             nodes = trees.tokens[:, 1:]
             self.draft_nodes[:num_reqs].copy_(torch.where(nodes >= 0, nodes, 0))
 
