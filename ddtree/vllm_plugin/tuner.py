@@ -198,6 +198,7 @@ def measure(
         first.append([size // 2 + 1, size, budget])
     apply(options, _merged(first, max_batch))
     tuner.set_costs(sizes, candidates, step_ms, max_batch)
+    tuner.curve.zero()  # graph captures and timed dummy batches proposed trees of no request
     logger.info(
         "ddtree budgets by throughput: candidates %s; step ms by (requests, budget), measured "
         "in %.1f s: %s; first schedule (no traffic yet): %s",
