@@ -362,3 +362,23 @@ def test_hybrid_targets_refused_on_cuda_and_with_prefix_caching(monkeypatch):
     check_hybrid(args, dense)
     with pytest.raises(NotImplementedError, match="CPU build only"):
         check_hybrid(args, hybrid)
+
+
+def test_auto_budget_needs_the_worker_in_the_scheduler_process():
+    """``"auto"`` rewrites the scheduler's lookup from the worker: refused, naming the option,
+    when the engine core runs its workers in other processes; otherwise the scheduler's list
+    is built from the tuner's first schedule and shared with it."""
+    from types import SimpleNamespace
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.patches import _share_lookup
+
+    options = DDTreeOptions(64, auto_budget=True, budget_schedule=((1, 2, 64), (3, 8, 15)))
+    scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+    config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="mp"))
+    with pytest.raises(ValueError, match='ddtree_budget_per_batch_size "auto" needs'):
+        _share_lookup(scheduler, config, options)
+    config.parallel_config.distributed_executor_backend = "uni"
+    _share_lookup(scheduler, config, options)
+    assert scheduler.dynamic_sd_lookup is options.live_lookup
+    assert scheduler.dynamic_sd_lookup[1:] == [64, 64] + [15] * 6
