@@ -26,7 +26,7 @@ lint: venv
 # Two tiers: the pure tests first (about a minute), then the slow ones (vLLM engines and
 # servers, Triton's interpreter, subprocesses). pytest exits 5 when it collects no test: that
 # is a failure here, not a pass.
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=12
 test: lint
 	@for tier in "not slow" "slow"; do \
 		echo "make test: tier '$$tier'"; \

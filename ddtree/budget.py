@@ -142,6 +142,7 @@ class AcceptanceCurve:
         # the drafter's own expectation (predicted_within) over the proposed trees
         self.predicted = torch.zeros(budget, dtype=torch.float32, device=device)  # [B]
         self.proposals = torch.zeros(budget, dtype=torch.long, device=device)  # [B]
+        self._sums: torch.Tensor | None = None  # float64 [4, B], made at the first sums()
 
     def update(self, path: torch.Tensor, verified: torch.Tensor) -> None:
         """``path`` long ``[R, D + 1]`` (walked), ``verified`` long ``[R]``: the tree nodes
@@ -160,9 +161,16 @@ class AcceptanceCurve:
 
     def sums(self) -> torch.Tensor:
         """All sums in one float64 device tensor ``[4 B]`` (rows, accepted, proposals,
-        predicted): one copy to the host reads them."""
+        predicted; a persistent buffer, rewritten by the next call): one copy to the host
+        reads them."""
+        if self._sums is None:
+            self._sums = torch.zeros(
+                4, len(self.rows), dtype=torch.float64, device=self.rows.device
+            )
         parts = (self.rows, self.accepted, self.proposals, self.predicted)
-        return torch.cat([p.double() for p in parts])
+        for out, part in zip(self._sums, parts, strict=True):
+            out.copy_(part)
+        return self._sums.view(-1)
 
     def zero(self) -> None:
         for tensor in (self.rows, self.accepted, self.predicted, self.proposals):
