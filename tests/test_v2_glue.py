@@ -117,6 +117,9 @@ def check(kernels: str) -> None:
         idx_mapping=idx_mapping,
         query_start_loc=qsl,
     )
+    from ddtree.vllm_plugin.tuner import BudgetTuner
+
+    engine.tuner = BudgetTuner(engine.options, torch.device("cpu"), every=1)  # "auto" budgets
     sampler = TreeSampler(engine, fake_sampler, BUDGET)
     out = sampler(logits, batch)
 
@@ -142,6 +145,16 @@ def check(kernels: str) -> None:
             got = kv_cache[dst // BLOCK, :, dst % BLOCK]
             assert torch.equal(got, before[src // BLOCK, :, src % BLOCK]), (row, k)
     assert accepted[0] >= 1 and engine.walked
+    # The tuner's sums of this step (copied by its step() once per sampler call): request 0
+    # verified 15 nodes, request 2 six (its clipped tree), the prefill none.
+    rows, got = engine.tuner.host.view(4, -1)[:2]
+    assert rows.tolist() == [2] * 6 + [1] * 9
+    from ddtree.budget import accepted_within
+
+    budgets = torch.arange(1, BUDGET + 1)
+    want = accepted_within(walks[0].path, budgets)[0] + accepted_within(walks[1].path, budgets)[0]
+    want[6:] -= accepted_within(walks[1].path, budgets)[0, 6:]
+    assert got.tolist() == want.tolist()
 
     # Logprobs as vLLM's rejection sampler lays them out: request r's j-th output at row
     # cu[r] + j, read at its accepted path's j-th node (one-hot logits: the sampled token is

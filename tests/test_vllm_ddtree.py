@@ -66,25 +66,15 @@ def test_vllm_dflash_chain_equals_no_spec(no_spec):
         assert greedy(llm) == no_spec[0]
 
 
-@pytest.mark.parametrize("budget, cap", [(1, None), (64, None), (255, 100)])
-def test_greedy_ddtree_equals_no_spec(no_spec, budget, cap, caplog, request):
-    """``cap``: ddtree_max_verify_tokens; with 100 the step budget follows the batch: 4
-    requests -> 24 nodes each, 2 -> 49, 1 -> 99 (trees of changing width between steps).
-    That case also fits the start-up cost model (with a ratio that never binds)."""
+@pytest.mark.parametrize("budget", [1, 64])
+def test_greedy_ddtree_equals_no_spec(no_spec, budget, request):
+    """The smallest tree (one node) and B=64 (a budget past the drafter's depth D=15)."""
     if budget == 64:  # the fixture's engine also ran seeded T=1 samples
         got, sampled = request.getfixturevalue("ddtree_64")
         assert got == no_spec[0]
         assert all(len(tokens) == 30 for tokens in sampled)  # T=1 runs, requested lengths
         return
-    spec = ddtree_spec(budget, ddtree_max_verify_tokens=cap)
-    if cap is not None:
-        spec["ddtree_max_verify_cost"] = 100.0
-    caplog.set_level(logging.INFO, logger="vllm.ddtree")
-    with engine(spec=spec) as llm:
-        if cap is not None:
-            log = caplog.text
-            assert "ddtree step budgets (max verify cost 100.00x" in log, log[-3000:]
-            assert "1 req -> B 255, 2 req -> B 255, 4 req -> B 255;" in log
+    with engine(spec=ddtree_spec(budget)) as llm:
         assert greedy(llm) == no_spec[0]
 
 
@@ -95,10 +85,21 @@ def test_engines_in_one_process_keep_their_own_state(no_spec, acceptance_logged,
 
     With DDTREE_ACCEPTANCE=1 the B=15 engine logs, per step, what each K <= 15 would have
     accepted: at K = 15 that is what it did accept (vLLM's own counters), and a smaller tree
-    never accepts more."""
+    never accepts more. The B=255 engine caps a step's tree tokens at 100
+    (ddtree_max_verify_tokens: 4 requests -> 24 nodes each, 2 -> 49, 1 -> 99, trees of
+    changing width between steps) and fits the start-up cost model (a ratio that never
+    binds)."""
+    caplog.set_level(logging.INFO, logger="vllm.ddtree")
     for budget in (15, 255):
         caplog.clear()
-        with engine(spec=ddtree_spec(budget), disable_log_stats=False) as llm:
+        spec = ddtree_spec(budget)
+        if budget == 255:
+            spec.update(ddtree_max_verify_tokens=100, ddtree_max_verify_cost=100.0)
+        with engine(spec=spec, disable_log_stats=False) as llm:
+            if budget == 255:
+                log = caplog.text
+                assert "ddtree step budgets (max verify cost 100.00x" in log, log[-3000:]
+                assert "1 req -> B 255, 2 req -> B 255, 4 req -> B 255;" in log
             assert greedy(llm) == no_spec[0], budget
             counts = _spec_counts(llm)
         if budget == 15:
