@@ -114,11 +114,6 @@ def monotone(counts: list[int], seconds: list[float]) -> dict[int, float]:
     return dict(zip(counts, itertools.accumulate(seconds, max), strict=True))
 
 
-def measured_costs(runner, counts: list[int]) -> dict[int, float]:
-    """The target's forward timed at each token count of ``counts`` (increasing), monotone."""
-    return monotone(counts, [forward_seconds(runner, n) for n in counts])
-
-
 def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> dict[int, int]:
     """Measure the target's forward on ``runner`` at every token count the choice can ask
     for, make the costs non-decreasing in the tokens (the running maximum: more tokens never

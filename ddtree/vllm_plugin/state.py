@@ -76,7 +76,7 @@ class EngineState:
     gdn_pending: list = field(default_factory=list)  # gdn.PendingCommit per linear layer
     attention_active: bool = False  # True only during the target forward
     acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE: made at the first walk
-    tuner: Any = None  # tuner.BudgetTuner of a "auto" budget schedule, made at start-up
+    tuner: Any = None  # tuner.BudgetTuner of an "auto" budget schedule, made at start-up
 
     def __post_init__(self) -> None:
         if self.profile is None and self.settings.profile_every > 0:
