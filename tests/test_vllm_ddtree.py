@@ -179,20 +179,21 @@ def test_auto_budget_schedule_equals_no_spec(no_spec, monkeypatch, caplog):
         assert scheduler.dynamic_sd_lookup == build_dynamic_sd_schedule_lookup(ranges, 4, 64)
         params = vllm.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
         assert len(llm.generate(PROMPTS * 3, params)) == 12  # more steps for the tuner
-        updates, verified, proposed = llm.collective_rpc(_tuner_counts)[0]
+        updates, verified, proposed, shared = llm.collective_rpc(_tuner_counts)[0]
+        assert shared == id(options)  # the worker's tuner writes the scheduler's options
     assert updates >= 1 and verified > 0 and proposed > 0, (updates, verified, proposed)
     log = caplog.text
     assert "ddtree budgets by throughput: candidates [15, 31, 63, 64]; step ms" in log, log[-3000:]
 
 
-def _tuner_counts(worker) -> tuple[int, float, float]:
-    """(schedule updates, request steps verified at K = 1, proposals reaching K = 1) of the
-    worker's DDTree tuner, in decayed totals."""
+def _tuner_counts(worker) -> tuple[int, float, float, int]:
+    """(schedule updates, request steps verified at K = 1, proposals reaching K = 1 (decayed
+    totals), id of its options) of the worker's DDTree tuner."""
     from ddtree.vllm_plugin.patches import engine_of
 
     tuner = engine_of(worker.model_runner).tuner
     rows, _, proposals, _ = tuner.totals.view(4, -1)
-    return tuner.updates, float(rows[0]), float(proposals[0])
+    return tuner.updates, float(rows[0]), float(proposals[0]), id(tuner.options)
 
 
 def _spec_counts(llm) -> dict[str, float]:
