@@ -38,6 +38,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "random_ddtreetorch_64",
     "pairopts_nospec",
     "pairopts_ddtree_64",
+    "pairpen_nospec",
+    "pairpen_ddtree_64",
 ]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
@@ -62,6 +64,19 @@ OPTIONS = [
     dict(logprobs=0, min_p=0.3),
     {},
     dict(logprobs=5, logit_bias={11: 2.0}),
+]
+# pairpen: penalties per request (DDTree's per-node history on the V2 runner,
+# v2/penalties.py); they stay in requests.REFUSED_V2 until this case holds, so the case lifts
+# the refusal in its own process.
+PENALTIES = [
+    dict(presence_penalty=1.5),
+    dict(frequency_penalty=0.8),
+    dict(repetition_penalty=1.3),
+    dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+    dict(repetition_penalty=0.9),
+    {},
+    dict(frequency_penalty=-0.5),
+    dict(presence_penalty=2.0, logprobs=2),
 ]
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
@@ -146,6 +161,11 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         if method.startswith("ddtreeauto_"):
             os.environ["DDTREE_TUNE_EVERY"] = "4"
             spec["ddtree_budget_per_batch_size"] = "auto"
+    if kind == "pairpen":
+        from ddtree.vllm_plugin import requests
+
+        for option in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            requests.REFUSED_V2.pop(option)
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),
@@ -164,8 +184,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     prompts = _prompts(kind, target)
     stop = [[], [], [202 if pair else 7], [], [], [], [10], []]  # 202: newline
     # no-spec: top-2 margins, to judge any divergence (pairopts: the options' logprobs only)
-    logprobs = 2 if spec is None and kind != "pairopts" else None
-    options = OPTIONS if kind == "pairopts" else [{}] * len(MAX_TOKENS)
+    logprobs = 2 if spec is None and kind not in ("pairopts", "pairpen") else None
+    options = {"pairopts": OPTIONS, "pairpen": PENALTIES}.get(kind, [{}] * len(MAX_TOKENS))
     params = [
         vllm.SamplingParams(
             temperature=0,
@@ -296,7 +316,7 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
             row["requests_equal"] = sum(a == b for a, b in pairs)
             row["tokens"] = sum(len(a[0]) for a, _ in pairs)
             row["first_divergence"] = [_divergence(a[0], b[0]) for a, b in pairs]
-            if kind == "pairopts":  # both asked for the same logprobs
+            if kind in ("pairopts", "pairpen"):  # both asked for the same logprobs
                 row["logprob_gap"] = [
                     _logprob_gap(x, y, len(a[0]) if d is None else d)
                     for x, y, a, d in zip(

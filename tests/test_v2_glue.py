@@ -180,8 +180,106 @@ def check(kernels: str) -> None:
     assert hidden[q : q + 6, 0].tolist() == list(range(q, q + 6))  # the prefill untouched
 
 
+def _penalty_state(states: int, vocab: int, gen) -> SimpleNamespace:
+    """A stand-in for vLLM's V2 ``PenaltiesState`` (the fields its kernel reads)."""
+    import numpy as np
+
+    def per_request(values):
+        return SimpleNamespace(gpu=torch.tensor(values, dtype=torch.float32))
+
+    words = -(-vocab // 32)
+    return SimpleNamespace(
+        use_penalty=np.ones(states, dtype=bool),
+        repetition_penalty=per_request([1.3, 1.0, 0.8] + [1.0] * (states - 3)),
+        frequency_penalty=per_request([0.5, 0.0, 0.25] + [0.0] * (states - 3)),
+        presence_penalty=per_request([0.0, 0.7, 0.4] + [0.0] * (states - 3)),
+        prompt_bin_mask=torch.randint(-(2**31), 2**31 - 1, (states, words), generator=gen).int(),
+        output_bin_counts=torch.randint(0, 3, (states, vocab), generator=gen).int()
+        * (torch.rand(states, vocab, generator=gen) < 0.2),
+    )
+
+
+def _penalised(state, req: int, logit: torch.Tensor, history: list[int]) -> torch.Tensor:
+    """One row with the penalties of request-state ``req`` and its node's ``history``."""
+    vocab = logit.shape[0]
+    counts = state.output_bin_counts[req].clone()
+    for token in history:
+        counts[token] += 1
+    bits = state.prompt_bin_mask[req].long() & 0xFFFFFFFF
+    in_prompt = ((bits[:, None] >> torch.arange(32)) & 1).flatten()[:vocab] != 0
+    rep = state.repetition_penalty.gpu[req]
+    out = logit.clone()
+    if rep != 1.0:
+        scale = torch.where(in_prompt | (counts > 0), rep, torch.tensor(1.0))
+        out = out * torch.where(out > 0, 1.0 / scale, scale)
+    out = out - state.frequency_penalty.gpu[req] * counts
+    return out - state.presence_penalty.gpu[req] * (counts > 0)
+
+
+def check_penalties() -> None:
+    """Penalties per tree node: its history is its root path (tokens of the node and its
+    ancestors below the root), whichever slots came before it; on a chain that is vLLM's own
+    kernel's result (rows: the bonus row and each draft)."""
+    from ddtree.vllm_plugin.v2.penalties import apply_tree_penalties
+
+    gen = torch.Generator().manual_seed(7)
+    vocab, states = 40, 8
+    state = _penalty_state(states, vocab, gen)
+    trees = ddtree.build_tree(torch.randn(3, DEPTH, vocab, generator=gen) * 2, BUDGET)
+    state_rows = torch.tensor([0, 1, 2])
+    engine = _engine(trees, state_rows, "torch")
+    q = BUDGET + 1
+    idx = torch.arange(3).repeat_interleave(q)  # every slot of every tree, request by request
+    slots = torch.arange(q).repeat(3)
+    logits = torch.randn(3 * q, vocab, generator=gen) * 3
+    got = logits.clone()
+    apply_tree_penalties(state, engine.tables, got, idx, np.arange(3), None, slots)
+    for row in range(3 * q):
+        r, s = int(idx[row]), int(slots[row])
+        history, node = [], s
+        while node > 0:  # the node, then its ancestors up to (not including) the root
+            history.append(int(trees.tokens[r, node]))
+            node = int(trees.parents[r, node])
+        want = _penalised(state, r, logits[row], history)
+        assert torch.allclose(got[row], want, rtol=0, atol=1e-6), (row, got[row] - want)
+
+    # A chain (slot i's parent is slot i - 1): each row's history is the drafts of the rows
+    # before it and its own, as vLLM's kernel counts them (that kernel itself, bit for bit:
+    # tests/test_gpu_penalties.py, CUDA only: vLLM disables its Triton kernels without a GPU).
+    chain_engine = _engine(chain_tree(3, vocab, gen), state_rows, "torch")
+    tokens = chain_engine.tables.tokens
+    idx, slots = torch.arange(3).repeat_interleave(DEPTH + 1), torch.arange(DEPTH + 1).repeat(3)
+    logits = torch.randn(3 * (DEPTH + 1), vocab, generator=gen) * 3
+    got = logits.clone()
+    apply_tree_penalties(state, chain_engine.tables, got, idx, np.arange(3), None, slots)
+    for row in range(3 * (DEPTH + 1)):
+        r, s = int(idx[row]), int(slots[row])
+        want = _penalised(state, r, logits[row], tokens[r, 1 : s + 1].tolist())
+        assert torch.allclose(got[row], want, rtol=0, atol=1e-6), row
+
+
+def chain_tree(batch: int, vocab: int, gen) -> ddtree.DraftTree:
+    """A chain of D random tokens as a DraftTree (slot i's parent is slot i - 1)."""
+    slot = torch.arange(DEPTH + 1)
+    return ddtree.DraftTree(
+        tokens=torch.randint(0, vocab, (batch, BUDGET + 1), generator=gen),
+        parents=(torch.arange(BUDGET + 1) - 1).expand(batch, -1).clone(),
+        depths=torch.arange(BUDGET + 1).clamp(max=DEPTH).expand(batch, -1).clone(),
+        mask=None,
+        scores=None,
+        ancestors=(torch.arange(BUDGET + 1)[:, None] - slot)
+        .clamp(min=0)
+        .expand(batch, -1, -1)
+        .clone(),
+        num_nodes=None,
+    )
+
+
 if __name__ == "__main__":
+    import numpy as np
+
     sys.path.insert(0, os.path.dirname(__file__))
+    check_penalties()
     check("torch")
     check("fused")  # ddtree.kernels' walk and KV compaction in the sampler
     check_trees()

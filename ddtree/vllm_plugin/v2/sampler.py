@@ -11,12 +11,15 @@ are moved into place.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ddtree.verify import walk
 from ddtree.vllm_plugin import graphs
 from ddtree.vllm_plugin.debug import AcceptanceLog
 from ddtree.vllm_plugin.v2.engine import TreeEngine
+from ddtree.vllm_plugin.v2.penalties import apply_tree_penalties
 
 
 class TreeSampler:
@@ -29,6 +32,11 @@ class TreeSampler:
             self._tail, warmup=_harmless, pool=engine.graph_pool,
             enabled=engine.settings.cuda_graphs,
         )  # fmt: skip
+        penalties = getattr(sampler, "penalties_state", None)
+        if penalties is not None:  # each node's history is its root path, not the rows before
+            penalties.apply_penalties = functools.partial(
+                apply_tree_penalties, penalties, engine.tables
+            )
         if engine.settings.acceptance_every:
             engine.acceptance = AcceptanceLog(
                 engine.settings.acceptance_every, engine.options.budget, engine.tables.path.device
