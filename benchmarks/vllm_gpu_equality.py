@@ -65,17 +65,17 @@ OPTIONS = [
     {},
     dict(logprobs=5, logit_bias={11: 2.0}),
 ]
-# pairpen: penalties per request (DDTree's per-node history on the V2 runner,
-# v2/penalties.py); they stay in requests.REFUSED_V2 until this case holds, so the case lifts
-# the refusal in its own process.
+# pairpen: penalties and bad words per request (DDTree's per-node history on the V2 runner,
+# v2/penalties.py, v2/bad_words.py); they stay in requests.REFUSED_V2 until this case holds,
+# so the case lifts the refusal in its own process.
 PENALTIES = [
     dict(presence_penalty=1.5),
     dict(frequency_penalty=0.8),
     dict(repetition_penalty=1.3),
     dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
     dict(repetition_penalty=0.9),
-    {},
-    dict(frequency_penalty=-0.5),
+    dict(bad_words=[" the", " of the", "\n\n"]),
+    dict(frequency_penalty=-0.5, bad_words=[" and"]),
     dict(presence_penalty=2.0, logprobs=2),
 ]
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
@@ -164,7 +164,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     if kind == "pairpen":
         from ddtree.vllm_plugin import requests
 
-        for option in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for option in ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words"):
             requests.REFUSED_V2.pop(option)
     t0 = time.time()
     llm = vllm.LLM(

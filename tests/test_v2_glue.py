@@ -258,6 +258,73 @@ def check_penalties() -> None:
         assert torch.allclose(got[row], want, rtol=0, atol=1e-6), row
 
 
+def check_bad_words() -> None:
+    """Bad words per tree node: a word's prefix is matched against the request's output
+    followed by the node's root path below the root (words inside a path, across the output
+    and a path, single tokens, and ones that match nothing)."""
+    from ddtree.vllm_plugin.v2.bad_words import apply_tree_bad_words
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, states, q = 60, 8, BUDGET + 1
+    trees = ddtree.build_tree(torch.randn(3, DEPTH, vocab, generator=gen) * 2, BUDGET)
+    engine = _engine(trees, torch.tensor([0, 1, 2]), "torch")
+    prompt_len, total_len = torch.tensor([5, 3, 7] + [0] * 5), torch.tensor([9, 3, 12] + [0] * 5)
+    all_tokens = torch.randint(0, vocab, (states, 32), generator=gen)
+
+    def path(r: int, s: int) -> list[int]:
+        tokens = []
+        while s > 0:
+            tokens.append(int(trees.tokens[r, s]))
+            s = int(trees.parents[r, s])
+        return tokens[::-1]
+
+    deep = [int((trees.depths[r] >= 2).nonzero()[0]) for r in range(3)]
+    words = [
+        [path(0, deep[0])[-2:] + [7], [int(all_tokens[0, 8]), path(0, deep[0])[0], 9], [3]],
+        [path(1, deep[1]) + [11], [59, 58, 57]],  # no output: a word from the path's start
+        [[int(all_tokens[2, 11]), 13], path(2, deep[2])[-1:] + [14]],
+    ]
+    most = max(len(w) for w in words)
+    flat = torch.zeros(states, 64, dtype=torch.int32)
+    offsets = torch.zeros(states, most + 1, dtype=torch.int32)
+    for r, request_words in enumerate(words):
+        tokens = [t for w in request_words for t in w]
+        flat[r, : len(tokens)] = torch.tensor(tokens)
+        lengths = torch.tensor([len(w) for w in request_words])
+        offsets[r, 1 : len(request_words) + 1] = lengths.cumsum(0)
+    counts = np.array([len(w) for w in words] + [0] * 5, dtype=np.int32)
+    state = SimpleNamespace(
+        num_bad_words=SimpleNamespace(np=counts, gpu=torch.from_numpy(counts)),
+        bad_word_token_ids=SimpleNamespace(gpu=flat),
+        bad_word_offsets=SimpleNamespace(gpu=offsets),
+        req_states=SimpleNamespace(
+            all_token_ids=SimpleNamespace(gpu=all_tokens.int()),
+            prompt_len=SimpleNamespace(gpu=prompt_len.int()),
+            total_len=SimpleNamespace(gpu=total_len.int()),
+        ),
+    )
+    idx, slots = torch.arange(3).repeat_interleave(q), torch.arange(q).repeat(3)
+    logits = torch.randn(3 * q, vocab, generator=gen)
+    got = logits.clone()
+    apply_tree_bad_words(state, engine.tables, got, idx, np.arange(3), None, slots)
+    for row in range(3 * q):
+        r, s = int(idx[row]), int(slots[row])
+        sequence = all_tokens[r, prompt_len[r] : total_len[r]].tolist() + path(r, s)
+        want = logits[row].clone()
+        for word in words[r]:
+            prefix = word[:-1]
+            if len(prefix) <= len(sequence) and sequence[len(sequence) - len(prefix) :] == prefix:
+                want[word[-1]] = float("-inf")
+        assert torch.equal(got[row], want), (row, r, s)
+    # Each kind of word did ban where it should (so the comparison above is not vacuous).
+    first_on_path = int(trees.parents[0, deep[0]]) if trees.depths[0, deep[0]] == 2 else None
+    banned = {(0, deep[0], 7), (0, 0, 3), (1, deep[1], 11), (2, 0, 13), (2, deep[2], 14)}
+    if first_on_path is not None:
+        banned.add((0, first_on_path, 9))
+    for r, s, token in banned:
+        assert torch.isinf(got[r * q + s, token]), (r, s, token)
+
+
 def chain_tree(batch: int, vocab: int, gen) -> ddtree.DraftTree:
     """A chain of D random tokens as a DraftTree (slot i's parent is slot i - 1)."""
     slot = torch.arange(DEPTH + 1)
@@ -280,6 +347,7 @@ if __name__ == "__main__":
 
     sys.path.insert(0, os.path.dirname(__file__))
     check_penalties()
+    check_bad_words()
     check("torch")
     check("fused")  # ddtree.kernels' walk and KV compaction in the sampler
     check_trees()

@@ -24,8 +24,8 @@ REFUSED = {
 _V2 = "with ddtree on the V2 model runner yet"
 REFUSED_V2 = {
     # Need each node's own history (its root path); vLLM's V2 sampler counts the drafts
-    # before a row in chain order. v2/penalties.py applies them per node (CPU-tested); they
-    # leave this table once the GPU equality case pairpen holds.
+    # before a row in chain order. v2/penalties.py and v2/bad_words.py apply them per node
+    # (CPU-tested); they leave this table once the GPU equality case pairpen holds.
     "presence_penalty": f"presence_penalty is not supported {_V2}",
     "frequency_penalty": f"frequency_penalty is not supported {_V2}",
     "repetition_penalty": f"repetition_penalty is not supported {_V2}",

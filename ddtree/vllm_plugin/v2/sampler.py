@@ -18,6 +18,7 @@ import torch
 from ddtree.verify import walk
 from ddtree.vllm_plugin import graphs
 from ddtree.vllm_plugin.debug import AcceptanceLog
+from ddtree.vllm_plugin.v2.bad_words import apply_tree_bad_words
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 from ddtree.vllm_plugin.v2.penalties import apply_tree_penalties
 
@@ -32,10 +33,17 @@ class TreeSampler:
             self._tail, warmup=_harmless, pool=engine.graph_pool,
             enabled=engine.settings.cuda_graphs,
         )  # fmt: skip
+        # Each node's history is its root path, not the rows before it: vLLM's sampler calls
+        # these in place of its own penalty and bad-word steps.
         penalties = getattr(sampler, "penalties_state", None)
-        if penalties is not None:  # each node's history is its root path, not the rows before
+        if penalties is not None:
             penalties.apply_penalties = functools.partial(
                 apply_tree_penalties, penalties, engine.tables
+            )
+        bad_words = getattr(sampler, "bad_words_state", None)
+        if bad_words is not None:
+            bad_words.apply_bad_words = functools.partial(
+                apply_tree_bad_words, bad_words, engine.tables
             )
         if engine.settings.acceptance_every:
             engine.acceptance = AcceptanceLog(
