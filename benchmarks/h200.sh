@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
-#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~10 min)
+#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~15 min on
+#                                    # a cold machine: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
@@ -47,9 +48,9 @@ smoke)
   equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,random_nospec,random_ddtree_15
   ;;
 check)
-  gpu_tests 300
+  gpu_tests 420
   numerics
-  equality 480
+  equality 720
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)
   numerics
