@@ -88,8 +88,8 @@ def test_vllm_dflash_chain_equals_no_spec(pair, no_spec):
 
 @pytest.mark.parametrize(
     "budget, options, blocks",
-    [(255, {"ddtree_chain_seed": False}, None), (15, {}, 8)],
-    ids=["B255-no-forced-chain", "B15-preempted"],
+    [(63, {"ddtree_chain_seed": False}, None), (15, {}, 8)],
+    ids=["B63-no-forced-chain", "B15-preempted"],
 )
 def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options, blocks):
     """Trees verified through the GDN layers (each node continues its parent's state and conv
