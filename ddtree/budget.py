@@ -106,18 +106,25 @@ def throughput_schedule(
     mean of :func:`accepted_within` over steps verified at the largest budget);
     ``step_ms[i][j]``: the step time at ``sizes[i]`` requests (a graph bucket, increasing)
     and ``budgets[j]``. Sizes in ``(sizes[i-1], sizes[i]]`` run the ``sizes[i]`` graph, so
-    they take its choice; sizes above the last bucket, up to ``max_batch``, take the last's.
-    Equal neighbours are merged: ``[[first, last, budget], ...]`` from 1 to ``max_batch``."""
+    they take its choice (:func:`bucket_schedule`)."""
     if not (len(accepted) == len(budgets) and len(step_ms) == len(sizes) and sizes):
         raise ValueError("throughput_schedule: accepted / budgets and step_ms / sizes differ")
     if any(len(row) != len(budgets) for row in step_ms) or sorted(set(sizes)) != list(sizes):
         raise ValueError("throughput_schedule: step_ms must be [sizes][budgets], sizes increasing")
     if max_batch < sizes[0]:
         raise ValueError(f"throughput_schedule: max_batch {max_batch} < first size {sizes[0]}")
+    chosen = [budgets[fastest(tokens_per_ms(accepted, row), budgets)] for row in step_ms]
+    return bucket_schedule(sizes, chosen, max_batch)
+
+
+def bucket_schedule(sizes: list[int], chosen: list[int], max_batch: int) -> list[list[int]]:
+    """A ``ddtree_budget_per_batch_size`` schedule from one budget per graph bucket: sizes in
+    ``(sizes[i-1], sizes[i]]`` run the ``sizes[i]`` graph, so they take ``chosen[i]``; sizes
+    above the last bucket, up to ``max_batch``, take the last's. Equal neighbours are merged:
+    ``[[first, last, budget], ...]`` from 1 to ``max_batch``."""
     schedule: list[list[int]] = []
     first = 1
-    for i, size in enumerate(sizes):
-        budget = budgets[fastest(tokens_per_ms(accepted, step_ms[i]), budgets)]
+    for i, (size, budget) in enumerate(zip(sizes, chosen, strict=True)):
         last = max_batch if i == len(sizes) - 1 else min(size, max_batch)
         if schedule and schedule[-1][2] == budget:
             schedule[-1][1] = last
@@ -127,6 +134,11 @@ def throughput_schedule(
         if first > max_batch:
             break
     return schedule
+
+
+def schedule_label(schedule) -> str:
+    """``[[1, 4, 255], [5, 512, 15]]`` -> ``"1-4: 255, 5-512: 15"``."""
+    return ", ".join(f"{first}-{last}: {budget}" for first, last, budget in schedule)
 
 
 class AcceptanceCurve:

@@ -39,7 +39,7 @@ from ddtree.bench.report import (
     sum_acceptance,
     summary_markdown,
 )
-from ddtree.budget import mean_accepted
+from ddtree.budget import mean_accepted, schedule_label
 from ddtree.vllm_plugin import plugin_env
 from ddtree.vllm_plugin.config import budget_schedule
 
@@ -98,11 +98,6 @@ def engine_names(
         names += [f"ddtree-{b}" for b in budgets]
     names += [f"ddtree-s{i}" for i in range(1, len(schedules) + 1)]
     return names + ([f"ddtree-a{auto}"] if auto else [])
-
-
-def schedule_label(schedule: list) -> str:
-    """``[[1, 4, 255], [5, 512, 15]]`` -> ``"1-4: 255, 5-512: 15"``."""
-    return ", ".join(f"{first}-{last}: {budget}" for first, last, budget in schedule)
 
 
 # vLLM's DFlash chain under other engine settings: (V1 runner, cudagraph_mode, async_scheduling);

@@ -116,16 +116,21 @@ class DDTreeOptions:
     # the proposer to the scheduler's grammar bitmask (v1/grammar.py); one process only.
     tree_parents: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
-    def scheduled_budget(self, num_reqs: int) -> int | None:
-        """The schedule's budget for ``num_reqs`` requests, as vLLM's scheduler looks it up
-        (``build_dynamic_sd_schedule_lookup``), or None without a schedule."""
-        if not self.budget_schedule:
-            return None
+    def dense_schedule(self, max_batch: int) -> list[int]:
+        """``budget_schedule`` as vLLM's scheduler holds it: entry n the budget of n requests,
+        n = 1..max_batch (``build_dynamic_sd_schedule_lookup``; entry 0 unused)."""
         from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-        size = max(num_reqs, 1)
         ranges = [list(r) for r in self.budget_schedule]
-        return build_dynamic_sd_schedule_lookup(ranges, size, self.budget)[size]
+        return build_dynamic_sd_schedule_lookup(ranges, max_batch, self.budget)
+
+    def scheduled_budget(self, num_reqs: int) -> int | None:
+        """The schedule's budget for ``num_reqs`` requests, as vLLM's scheduler looks it up,
+        or None without a schedule."""
+        if not self.budget_schedule:
+            return None
+        size = max(num_reqs, 1)
+        return self.dense_schedule(size)[size]
 
     def step_budget(self, num_reqs: int, depth: int) -> int:
         """This step's B for ``num_reqs`` requests (a bucket of the V1 runner's graphs). With

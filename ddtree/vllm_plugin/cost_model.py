@@ -75,7 +75,7 @@ def choose_step_budgets(
 def forward_seconds(runner, num_tokens: int, repeats: int = 5) -> float:
     """Fastest of ``repeats`` timed forwards of the target over ``num_tokens`` tokens (vLLM's
     dummy batch: attention, graphs and padding as a real step of that size; the drafter's
-    dummy run left out). The minimum, not the mean: host jitter only ever adds time."""
+    dummy run left out), by :func:`fastest_seconds`."""
     drafter = getattr(runner, "drafter", None)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     # vLLM's dummy batch gives every request seq_len = num_tokens unless told otherwise: past
@@ -94,17 +94,24 @@ def forward_seconds(runner, num_tokens: int, repeats: int = 5) -> float:
     if drafter is not None:
         drafter.dummy_run = lambda *args, **kwargs: None  # instance attribute hides the method
     try:
-        run()  # warm
-        times = []
-        for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            run()
-            sync()
-            times.append(time.perf_counter() - start)
+        return fastest_seconds(run, sync, repeats)
     finally:
         if drafter is not None:
             del drafter.dummy_run
+
+
+def fastest_seconds(run: Callable[[], object], sync: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` after one warm call, ``sync``
+    (the device's synchronize, or a no-op) around each. The minimum, not the mean: host
+    jitter only ever adds time."""
+    run()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
     return min(times)
 
 

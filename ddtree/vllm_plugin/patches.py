@@ -7,7 +7,7 @@ engine's speculative config for DDTree options first.
 
 from __future__ import annotations
 
-from ddtree.vllm_plugin import config, gdn, requests
+from ddtree.vllm_plugin import config, gdn, requests, tuner
 from ddtree.vllm_plugin.config import options_of
 from ddtree.vllm_plugin.hooks import replace, wrap, wrap_property
 from ddtree.vllm_plugin.v1 import grammar as v1_grammar
@@ -149,13 +149,7 @@ def _share_lookup(scheduler, vllm_config, options) -> None:
             f"core process (vLLM's uni executor, tensor_parallel_size 1; got {backend!r}): "
             "with several workers pass a schedule, e.g. from `ddtree bench --ddtree-acceptance`"
         )
-    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-    scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
-        [list(r) for r in options.budget_schedule],
-        vllm_max_batch_size=scheduler.scheduler_config.max_num_seqs,
-        vllm_num_speculative_tokens=options.budget,
-    )
+    scheduler.dynamic_sd_lookup = options.dense_schedule(scheduler.scheduler_config.max_num_seqs)
     options.live_lookup = scheduler.dynamic_sd_lookup
 
 
@@ -314,6 +308,7 @@ def _patch_workers_warm_up() -> None:
             engine = engine_of(self.model_runner)
             if engine is not None:
                 propose.fit_step_budgets(engine, self.model_runner)
+                tuner.start(engine, self.model_runner)  # "auto" budgets (either runner)
             return result
 
 
@@ -338,10 +333,10 @@ def _patch_v2_runner() -> None:
         spec = vllm_config.speculative_config
         options = options_of(spec)
         if options.auto_budget:  # a verify graph for every budget the tuner may choose
-            from ddtree.vllm_plugin.tuner import provisional_schedule
-
             depth = config.draft_depth(spec)
-            spec.num_speculative_tokens_per_batch_size = provisional_schedule(options.budget, depth)
+            spec.num_speculative_tokens_per_batch_size = tuner.provisional_schedule(
+                options.budget, depth
+            )
         return speculator_cls(vllm_config, device)
 
     runner_cls = mr2.GPUModelRunner

@@ -31,7 +31,14 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree.budget import AcceptanceCurve, expected_accepted, fastest, tokens_per_ms
+from ddtree.budget import (
+    AcceptanceCurve,
+    bucket_schedule,
+    expected_accepted,
+    fastest,
+    schedule_label,
+    tokens_per_ms,
+)
 from ddtree.vllm_plugin import cost_model, graphs
 from ddtree.vllm_plugin.config import DDTreeOptions
 
@@ -106,9 +113,10 @@ class BudgetTuner:
         if apply(self.options, schedule):
             known = [(k, expected[k - 1]) for k in self.candidates if expected[k - 1] is not None]
             logger.info(
-                "ddtree budgets by throughput (update %d): %s; expected accepted by budget: %s",
+                "ddtree budgets by throughput (update %d): batch sizes %s; expected accepted "
+                "by budget: %s",
                 self.updates,
-                describe(schedule),
+                schedule_label(schedule),
                 ", ".join(f"{k}: {a:.2f}" for k, a in known),
             )
 
@@ -118,30 +126,22 @@ class BudgetTuner:
         unless the bucket's budget now is within ``HYSTERESIS`` of it (noise must not flip
         the schedule every update) or above every known one (nothing measured says it is
         worse, and only its own steps can)."""
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
         known = [k for k in self.candidates if expected[k - 1] is not None]
         if not known:
             return None
-        now = build_dynamic_sd_schedule_lookup(
-            [list(r) for r in self.options.budget_schedule], self.max_batch, self.options.budget
-        )
-        ranges, first = [], 1
-        for i, size in enumerate(self.sizes):
-            last = self.max_batch if i == len(self.sizes) - 1 else min(size, self.max_batch)
-            row = dict(zip(self.candidates, self.step_ms[i], strict=True))
-            speed = tokens_per_ms([expected[k - 1] for k in known], [row[k] for k in known])
+        now = self.options.dense_schedule(self.max_batch)
+        chosen = []
+        for size, row in zip(self.sizes, self.step_ms, strict=True):
+            cost = dict(zip(self.candidates, row, strict=True))
+            speed = tokens_per_ms([expected[k - 1] for k in known], [cost[k] for k in known])
             best = known[fastest(speed, known)]
-            current = now[last]
+            current = now[min(size, self.max_batch)]
             keep = current > known[-1] or (
                 current in known
                 and speed[known.index(current)] * (1 + HYSTERESIS) >= speed[known.index(best)]
             )
-            ranges.append([first, last, current if keep else best])
-            first = last + 1
-            if first > self.max_batch:
-                break
-        return _merged(ranges, self.max_batch)
+            chosen.append(current if keep else best)
+        return bucket_schedule(self.sizes, chosen, self.max_batch)
 
 
 def apply(options: DDTreeOptions, schedule: list[list[int]]) -> bool:
@@ -154,19 +154,22 @@ def apply(options: DDTreeOptions, schedule: list[list[int]]) -> bool:
     options.budget_schedule = new
     lookup = options.live_lookup
     if lookup is not None:
-        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-        lookup[:] = build_dynamic_sd_schedule_lookup(
-            [list(r) for r in new], len(lookup) - 1, options.budget
-        )
+        lookup[:] = options.dense_schedule(len(lookup) - 1)
     return True
 
 
-def describe(schedule) -> str:
-    return ", ".join(
-        f"{first}-{last} req: B {budget}" if first != last else f"{first} req: B {budget}"
-        for first, last, budget in schedule
-    )
+def start(engine, runner) -> None:
+    """At the end of the worker's start-up, for an ``"auto"`` engine of either runner: its
+    tuner (the V1 runner feeds it eagerly, so it is made here; the V2 speculator made its own
+    before any capture), measured once."""
+    if not engine.options.auto_budget:
+        return
+    if engine.tuner is None:
+        engine.tuner = BudgetTuner(engine.options, runner.device, engine.settings.tune_every)
+    if not engine.tuner.step_ms:
+        v2 = getattr(runner, "speculator", None) is not None
+        timer = v2_step_seconds(runner) if v2 else v1_step_seconds(runner)
+        measure(engine.tuner, runner, engine.depth, timer)
 
 
 def measure(
@@ -191,24 +194,23 @@ def measure(
             1e3 * step_seconds(reqs, k) if reqs * (1 + k) <= max_tokens else inf for k in candidates
         ]
         step_ms.append(list(itertools.accumulate(row, max)))  # a larger tree never costs less
-    first = []
-    for size, row in zip(sizes, step_ms, strict=True):
-        limit = INITIAL_COST_RATIO * row[0]  # candidates[0] is the chain
-        budget = max(k for k, ms in zip(candidates, row, strict=True) if ms <= limit)
-        first.append([size // 2 + 1, size, budget])
-    apply(options, _merged(first, max_batch))
+    first = [  # per bucket: candidates[0] is the chain
+        max(k for k, ms in zip(candidates, row, strict=True) if ms <= INITIAL_COST_RATIO * row[0])
+        for row in step_ms
+    ]
+    apply(options, bucket_schedule(sizes, first, max_batch))
     tuner.set_costs(sizes, candidates, step_ms, max_batch)
     tuner.curve.zero()  # graph captures and timed dummy batches proposed trees of no request
     logger.info(
         "ddtree budgets by throughput: candidates %s; step ms by (requests, budget), measured "
-        "in %.1f s: %s; first schedule (no traffic yet): %s",
+        "in %.1f s: %s; first schedule (no traffic yet), batch sizes %s",
         candidates,
         time.perf_counter() - start,
         "; ".join(
             f"{b}: " + " ".join(f"{k}={ms:.2f}" for k, ms in zip(candidates, row, strict=True))
             for b, row in zip(sizes, step_ms, strict=True)
         ),
-        describe(options.budget_schedule),
+        schedule_label(options.budget_schedule),
     )
 
 
@@ -234,17 +236,9 @@ def v2_step_seconds(runner, repeats: int = 5) -> Callable[[int, int], float]:
             run = functools.partial(
                 runner._dummy_run, reqs * query, uniform_decode=True, skip_eplb=True
             )
-            run()  # warm
-            times = []
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                began = time.perf_counter()
-                run()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - began)
+            return cost_model.fastest_seconds(run, torch.cuda.synchronize, repeats)
         finally:
             runner.decode_query_len = saved
-        return min(times)
 
     return seconds
 
@@ -254,17 +248,3 @@ def provisional_schedule(budget: int, depth: int) -> list[list[int]]:
     gets the i-th largest), so that the V2 runner captures a verify graph for each."""
     candidates = sorted(cost_model.candidate_budgets(budget, depth), reverse=True)
     return [[i, i, k] for i, k in enumerate(candidates, start=1)]
-
-
-def _merged(ranges: list[list[int]], max_batch: int) -> list[list[int]]:
-    """Neighbouring ranges with one budget joined, the last one stretched to ``max_batch``."""
-    out: list[list[int]] = []
-    for first, last, budget in ranges:
-        if first > max_batch:
-            break
-        if out and out[-1][2] == budget:
-            out[-1][1] = last
-        else:
-            out.append([first, last, budget])
-    out[-1][1] = max_batch
-    return out

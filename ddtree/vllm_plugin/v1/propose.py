@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.tree import DraftTree, draft_topk, tree_from_ranked
-from ddtree.vllm_plugin import config, cost_model, graphs, tuner
+from ddtree.vllm_plugin import config, cost_model, graphs
 from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.state import EngineState, concat_trees, padding_tree
 from ddtree.vllm_plugin.v1.commit import layer_commit
@@ -173,16 +173,8 @@ def reorder_context(engine: EngineState, token_ids, positions, hidden_states) ->
 
 def fit_step_budgets(engine: EngineState, runner) -> None:
     """Start-up, once, before DDTree's graphs: the cost model's step budget per request
-    bucket (``ddtree_max_verify_cost``; ``cost_model``), or the ``"auto"`` schedule's tuner."""
+    bucket (``ddtree_max_verify_cost``; ``cost_model``)."""
     options = engine.options
-    if options.auto_budget:
-        if engine.tuner is None:  # the V1 runner feeds it eagerly: made here
-            engine.tuner = tuner.BudgetTuner(options, runner.device, engine.settings.tune_every)
-        if not engine.tuner.step_ms:
-            v2 = getattr(runner, "speculator", None) is not None
-            timer = tuner.v2_step_seconds(runner) if v2 else tuner.v1_step_seconds(runner)
-            tuner.measure(engine.tuner, runner, engine.depth, timer)
-        return
     if options.max_verify_cost is None or options.bucket_budgets is not None:
         return
     options.bucket_budgets = cost_model.fit_step_budgets(

@@ -107,15 +107,16 @@ def tree_sample(engine: EngineState, runner, logits: torch.Tensor, metadata, sam
             out,
         )
     engine.path = acceptance.path
+    verified = (tb.tree.tokens[:, 1:] >= 0).sum(1)  # [R]: tree nodes each request verified
     if engine.settings.acceptance_every:
         if engine.acceptance is None:
             engine.acceptance = AcceptanceLog(
                 engine.settings.acceptance_every, engine.options.budget, device
             )
-        engine.acceptance.update(acceptance.path, (tb.tree.tokens[:, 1:] >= 0).sum(1))
+        engine.acceptance.update(acceptance.path, verified)
         engine.acceptance.step()
     if engine.tuner is not None:
-        engine.tuner.walked(acceptance.path, (tb.tree.tokens[:, 1:] >= 0).sum(1))
+        engine.tuner.walked(acceptance.path, verified)
         engine.tuner.step()
     engine.mark("commit")
     commit_kv(engine, runner, tb, acceptance.path)

@@ -156,10 +156,11 @@ class TreeSampler:
         num_sampled = torch.where(chunk > 0, 0, acceptance.num_accepted + 1)
         num_rejected = torch.where(chunk > 0, 0, num_logits - num_sampled)
         engine.tables.path[: target.shape[0]].copy_(acceptance.path)
+        verified = torch.where(active, num_logits - 1, 0)  # [R]: tree nodes verified
         if engine.acceptance is not None:  # persistent sums: recorded in the graph
-            engine.acceptance.update(acceptance.path, torch.where(active, num_logits - 1, 0))
+            engine.acceptance.update(acceptance.path, verified)
         if engine.tuner is not None:  # likewise
-            engine.tuner.walked(acceptance.path, torch.where(active, num_logits - 1, 0))
+            engine.tuner.walked(acceptance.path, verified)
         engine.commit(acceptance.path, active, start)
         return sampled, num_sampled.int(), num_rejected.int()
 
