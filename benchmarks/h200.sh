@@ -35,7 +35,7 @@ equality() {  # $1: seconds, $2: cases (default: all)
   timeout "$1" python3 benchmarks/vllm_gpu_equality.py --out /tmp/eq ${2:+--cases "$2"} \
     > "$OUT/equality.txt" 2>&1
   cp /tmp/eq/summary.json "$OUT/equality_summary.json" 2>/dev/null
-  tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter .
+  tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter --exclude=hybrid .
   cut -c1-400 "$OUT/equality.txt" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
 }
 numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain verify)
@@ -45,7 +45,7 @@ numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain v
 }
 case "$1" in
 smoke)
-  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,random_nospec,random_ddtree_15
+  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,random_nospec,random_ddtree_15,hybrid_nospec,hybrid_dflash,hybrid_ddtree_15
   ;;
 check)
   gpu_tests 420

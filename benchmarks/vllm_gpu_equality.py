@@ -40,6 +40,10 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "pairopts_ddtree_64",
     "pairpen_nospec",
     "pairpen_ddtree_64",
+    "hybrid_nospec",
+    "hybrid_dflash",
+    "hybrid_ddtree_15",
+    "hybrid_ddtree_63",
 ]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
@@ -78,6 +82,9 @@ PENALTIES = [
     dict(frequency_penalty=-0.5, bad_words=[" and"]),
     dict(presence_penalty=2.0, logprobs=2),
 ]
+# hybrid: a tiny Qwen3.5 (2 x (3 Gated DeltaNet + 1 attention) layers, M-RoPE) with a DFlash
+# drafter distilled from it (tests/models.make_hybrid_pair): the V2 runner's GDN tree verify
+# and commit (vllm_plugin/v2/gdn.py).
 MAX_TOKENS = [128, 96, 64, 40, 200, 17, 150, 1]
 PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 
@@ -85,7 +92,17 @@ PROMPT_LENS = [64, 48, 33, 20, 64, 12, 57, 5]
 def _models(kind: str, out: Path) -> tuple[Path, Path]:
     if kind.startswith("pair"):
         return ROOT / "models" / "target", ROOT / "models" / "drafter"
+    if kind == "hybrid":
+        return out / "hybrid" / "target", out / "hybrid" / "drafter"
     return out / "random_target", out / "random_drafter"
+
+
+def make_hybrid_pair(out: Path) -> None:
+    """The CPU tests' hybrid pair (``tests/models.py``), made here once for every case."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from models import make_hybrid_pair as make
+
+    make(out / "hybrid")
 
 
 def make_random_pair(out: Path) -> None:
@@ -127,7 +144,9 @@ def _prompts(kind: str, target: Path) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    return [torch.randint(4, 1000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    high = 30 if kind == "hybrid" else 1000  # the hybrid target's 32 words
+    return [torch.randint(2 if kind == "hybrid" else 4, high, (n,), generator=gen).tolist()
+            for n in PROMPT_LENS]  # fmt: skip
 
 
 def run_case(name: str, out: Path, dtype: str) -> None:
@@ -161,6 +180,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         if method.startswith("ddtreeauto_"):
             os.environ["DDTREE_TUNE_EVERY"] = "4"
             spec["ddtree_budget_per_batch_size"] = "auto"
+    if kind == "hybrid":  # text only: the vision tower is never run
+        extra["language_model_only"] = True
     if kind == "pairpen":
         from ddtree.vllm_plugin import requests
 
@@ -286,6 +307,8 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     make_random_pair(out)
+    if any(name.startswith("hybrid_") for name in cases):
+        make_hybrid_pair(out)
     env = dict(os.environ)
     if site is not None:
         _dist_info(site)

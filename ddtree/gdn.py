@@ -255,6 +255,60 @@ def tree_conv1d(
     return F.silu(out) if activation is not None else out
 
 
+def tree_conv1d_table(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    ancestors: torch.Tensor,
+    depths: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """:func:`tree_conv1d` from the tree tables an engine keeps (``ancestors [b, N, D+1]``: the
+    j-th ancestor, saturating at the root; ``depths [b, N]``) instead of ``parents``: fixed
+    shapes, no checks, no host read, so a CUDA graph can capture it. Padding slots must
+    have depth 0 (they read the cached columns, as a root does). Returns ``[b, N, C]``."""
+    width = weight.shape[1]
+    lag = torch.arange(width, device=x.device)  # [W]: j
+    depth = depths.long()[..., None]  # [b, N, 1]
+    up = ancestors.long().gather(2, lag.clamp(max=ancestors.shape[2] - 1).expand(
+        *ancestors.shape[:2], width))  # fmt: skip
+    rows = torch.where(lag <= depth, width - 1 + up, width - 1 - (lag - depth))  # [b, N, W]
+    history = torch.cat([conv_state.transpose(1, 2), x.to(conv_state.dtype)], 1)  # [b, W-1+N, C]
+    batch, n_slots = depths.shape
+    windows = history[torch.arange(batch, device=x.device)[:, None, None], rows]  # [b, N, W, C]
+    out = torch.einsum("bnjc,cj->bnc", windows, weight.flip(1).to(history.dtype))
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return F.silu(out) if activation is not None else out
+
+
+def path_conv1d(
+    path_inputs: torch.Tensor,
+    conv_state: torch.Tensor,
+    lengths: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv along accepted paths, for a commit that replays them.
+
+    ``path_inputs [b, L, C]``: the conv inputs of each path's nodes from the root (rows past
+    ``lengths [b]`` are ignored); ``conv_state [b, C, W-1]`` before the root. Returns the conv
+    outputs ``[b, L, C]`` (what the tree verify computed at those nodes) and the conv state
+    after the path ``[b, C, W-1]`` (the last ``W-1`` inputs). Fixed shapes, no host read."""
+    window = conv_state.shape[-1]
+    history = torch.cat([conv_state, path_inputs.to(conv_state.dtype).transpose(1, 2)], -1)
+    channels = history.shape[1]
+    out = F.conv1d(history, weight[:, None, :].to(history.dtype), groups=channels)  # [b, C, L]
+    if bias is not None:
+        out = out + bias.to(out.dtype)[:, None]
+    out = F.silu(out) if activation is not None else out
+    columns = lengths.long()[:, None] + torch.arange(window, device=history.device)  # [b, W-1]
+    new_state = history.gather(2, columns[:, None].expand(-1, channels, -1))
+    return out.transpose(1, 2), new_state
+
+
 @dataclass
 class GDNStash:
     """What a tree verify keeps per node so that the accepted path can be committed later.

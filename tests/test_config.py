@@ -246,7 +246,7 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     config = SimpleNamespace(
         parallel_config=parallel,
         cache_config=SimpleNamespace(cache_dtype="auto"),
-        model_config=SimpleNamespace(uses_mrope=False, max_model_len=max_model_len),
+        model_config=SimpleNamespace(uses_xdrope_dim=0, max_model_len=max_model_len),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
         speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
     )
@@ -256,6 +256,9 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     config.model_config.max_model_len = 1025
     config.speculative_config.ddtree = DDTreeOptions(511)
     check_settings(config)  # what the H200 suite verified passes
+    config.model_config.uses_xdrope_dim = 3
+    with pytest.raises(NotImplementedError, match="XD-RoPE"):
+        check_settings(config)
 
 
 def test_request_options_refused_per_runner():
@@ -344,8 +347,9 @@ def test_budget_per_batch_size_option():
         parse_options({**base, "ddtree_budget_per_batch_size": "auto", "ddtree_max_verify_cost": 2})
 
 
-def test_hybrid_targets_refused_on_cuda_and_with_prefix_caching(monkeypatch):
-    """Hybrid (Gated DeltaNet) targets: CPU build only, prefix caching off; dense targets pass."""
+def test_hybrid_targets_refused_on_cudas_v1_runner_and_with_prefix_caching(monkeypatch):
+    """Hybrid (Gated DeltaNet) targets: the CPU build or CUDA's V2 runner, prefix caching off;
+    dense targets pass."""
     from types import SimpleNamespace
 
     from vllm.platforms import current_platform
@@ -359,8 +363,12 @@ def test_hybrid_targets_refused_on_cuda_and_with_prefix_caching(monkeypatch):
     with pytest.raises(ValueError, match="prefix caching off"):
         check_hybrid(SimpleNamespace(enable_prefix_caching=True), hybrid)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     check_hybrid(args, dense)
-    with pytest.raises(NotImplementedError, match="CPU build only"):
+    check_hybrid(args, hybrid)  # the V2 runner (CUDA's default)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    check_hybrid(args, dense)
+    with pytest.raises(NotImplementedError, match="V2 model runner only"):
         check_hybrid(args, hybrid)
 
 

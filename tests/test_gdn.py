@@ -11,12 +11,15 @@ from hypothesis import strategies as st
 import ddtree
 from ddtree.gdn import (
     GDNStash,
+    ancestor_table,
     chain_gdn,
     check_parents,
     check_path,
     gdn_gating,
+    path_conv1d,
     replay_path,
     tree_conv1d,
+    tree_conv1d_table,
     tree_gdn,
     tree_gdn_chunked,
 )
@@ -187,6 +190,57 @@ def test_tree_conv1d_is_the_causal_conv_along_each_root_path(parents, shape):
             path = root_path(parents, row, slot)
             want = conv_over_path(x[row, path], conv_state[row], weight, bias, activation)
             torch.testing.assert_close(out[row, slot], want, rtol=0, atol=1e-12)
+
+
+def engine_tables(parents: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an engine keeps instead of ``parents``: k-th ancestors ``[b, N, depth+1]``
+    saturating at the root (padding: itself) and depths ``[b, N]``."""
+    above = ancestor_table(parents, parents.shape[1])  # -1 past the root
+    depths = (above >= 0).sum(-1) - 1
+    steps = torch.arange(depth + 1).clamp(max=depths[..., None])  # [b, N, depth+1]
+    return above.gather(2, steps), depths
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees(), conv_shapes, st.integers(0, 3))
+def test_tree_conv1d_from_engine_tables_equals_tree_conv1d(parents, shape, extra_depth):
+    """The fixed-shape conv of the V2 engine (ancestor table + depths) is :func:`tree_conv1d`,
+    whether the table is deeper or shallower than the conv window."""
+    seed, width, channels, with_bias, activation = shape
+    x, conv_state, weight, bias = conv_inputs(parents, seed, width, channels, with_bias)
+    depth = int((ancestor_table(parents, parents.shape[1]) >= 0).sum(-1).max()) - 1
+    ancestors, depths = engine_tables(parents, depth + extra_depth)
+    want = tree_conv1d(x, conv_state, parents, weight, bias, activation)
+    got = tree_conv1d_table(x, conv_state, ancestors, depths, weight, bias, activation)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees(), conv_shapes, st.integers(0, 2**31 - 1))
+def test_path_conv1d_is_the_tree_conv_on_the_path(parents, shape, path_seed):
+    """The commit's conv along an accepted path: the tree verify's outputs at the path's
+    nodes, and the conv state :func:`replay_path` leaves."""
+    seed, width, channels, with_bias, activation = shape
+    x, conv_state, weight, bias = conv_inputs(parents, seed, width, channels, with_bias)
+    batch, n_slots = parents.shape
+    gen = torch.Generator().manual_seed(path_seed)
+    real = [[s for s in range(n_slots) if s == 0 or parents[r, s] >= 0] for r in range(batch)]
+    paths = [
+        root_path(parents, r, real[r][int(torch.randint(len(real[r]), (), generator=gen))])
+        for r in range(batch)
+    ]
+    steps = max(map(len, paths)) + 1
+    path = torch.tensor([p + [-1] * (steps - len(p)) for p in paths])
+    lengths = (path >= 0).sum(1)
+    rows = torch.arange(batch)[:, None]
+    out, new_conv = path_conv1d(x[rows, path.clamp(min=0)], conv_state, lengths, weight, bias,
+                                activation)  # fmt: skip
+    tree_out = tree_conv1d(x, conv_state, parents, weight, bias, activation)
+    for row, accepted in enumerate(paths):
+        torch.testing.assert_close(out[row, : len(accepted)], tree_out[row, accepted], rtol=0,
+                                   atol=1e-12)  # fmt: skip
+        history = torch.cat([conv_state[row], x[row, accepted].T], 1)
+        torch.testing.assert_close(new_conv[row], history[:, -(width - 1) :], rtol=0, atol=0)
 
 
 @settings(max_examples=15, deadline=None)

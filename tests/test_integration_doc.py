@@ -18,6 +18,7 @@ def test_every_patched_symbol_is_documented():
         "from ddtree.vllm_plugin import hooks, patches\n"
         "patches.register()\n"
         "patches._patch_v2_runner()\n"
+        "patches._patch_v2_gdn()\n"
         "print('PATCHED ' + ' '.join(hooks.PATCHED))\n"
     )
     done = subprocess.run(
@@ -25,7 +26,7 @@ def test_every_patched_symbol_is_documented():
     )
     line = next(x for x in done.stdout.splitlines() if x.startswith("PATCHED "))
     patched = line.split()[1:]
-    assert len(patched) >= 19, patched  # 12 common + V1 + CPU attention, 7 V2
+    assert len(patched) >= 21, patched  # 12 common + V1 + CPU attention, 9 V2
     text = DOC.read_text()
     missing = [p for p in patched if ".".join(p.split(".")[-2:]) not in text]
     assert not missing, missing

@@ -342,10 +342,131 @@ def chain_tree(batch: int, vocab: int, gen) -> ddtree.DraftTree:
     )
 
 
+def _gdn_layer(gen, slots: int, heads=2, group=2, dim_k=8, dim_v=4, width=4):
+    """A stand-in of vLLM's QwenGatedDeltaNetAttention: what ``v2/gdn.py`` reads of one."""
+    heads_v = heads * group
+    channels = 2 * heads * dim_k + heads_v * dim_v
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    return SimpleNamespace(
+        prefix="model.layers.0.linear_attn",
+        conv1d=SimpleNamespace(weight=rand(channels, 1, width, scale=0.5), bias=rand(channels)),
+        activation="silu",
+        A_log=rand(heads_v, scale=0.3),
+        dt_bias=rand(heads_v, scale=0.3),
+        num_v_heads=heads_v,
+        tp_size=1,
+        key_dim=heads * dim_k,
+        value_dim=heads_v * dim_v,
+        head_k_dim=dim_k,
+        head_v_dim=dim_v,
+        # vLLM's CPU-side layout: conv [S, W-1, C] (not dim-first), ssm [S, HV, V, K]
+        kv_cache=[rand(slots, width - 1, channels), rand(slots, heads_v, dim_v, dim_k, scale=0.3)],
+    )
+
+
+def check_gdn() -> None:
+    """``v2/gdn.py`` on a batch of a full tree, a prefill, a clipped tree and a padded row:
+    tree rows equal the reference (conv over ancestors, recurrence along the root path),
+    other rows go through vLLM's path with the spec part taken out, nothing is written during
+    the verify; the commit leaves each tree request's block as a chain over its accepted path
+    would, and every other block as it was (a stale block-table row included)."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from ddtree.gdn import chain_gdn, gdn_gating, tree_conv1d, tree_gdn
+    from ddtree.vllm_plugin.v2.gdn import TreeGDN, caches, split_qkv
+
+    gen = torch.Generator().manual_seed(7)
+    trees = ddtree.build_tree(torch.randn(2, DEPTH, VOCAB, generator=gen) * 2, BUDGET)
+    engine = _engine(trees, torch.tensor([5, 2]), "fused")
+    q = BUDGET + 1
+    num_reqs, num_tokens = 4, q + 16  # rows: tree q, prefill 6, clipped tree 7, 3 padded
+    qsl = torch.tensor([0, q, q + 6, q + 13, q + 13], dtype=torch.int32)
+    engine.tables.tree_rows[:num_reqs] = torch.tensor([5, -1, 2, -1], dtype=torch.int32)
+    layer = _gdn_layer(gen, slots=6)
+    trees_gdn = TreeGDN(engine.tables, [layer])
+    trees_gdn.query_start_loc = qsl
+    entry = trees_gdn.layers[layer.prefix]
+    # State blocks: 3 (tree), 1 (prefill), 4 (clipped tree); the padded row is stale: it
+    # still names block 3, which the commit must not race on.
+    entry.block_table = torch.tensor([[3, 9], [1, 9], [4, 9], [3, 9], [0, 0]], dtype=torch.int32)
+    channels, heads_v = layer.conv1d.weight.shape[0], layer.num_v_heads
+    mixed_qkv = torch.randn(num_tokens, channels, generator=gen)
+    a, b = torch.randn(num_tokens, heads_v, generator=gen), torch.randn(num_tokens, heads_v)
+    core_attn_out = torch.full((num_tokens, heads_v, layer.head_v_dim), 7.0)
+    conv, ssm = caches(layer)
+    conv_before, ssm_before = conv.clone(), ssm.clone()
+
+    # vLLM's path for the prefill's rows, with the tree rows taken out of its metadata.
+    prefill_rows = torch.arange(q, q + 6, dtype=torch.int32)
+    md = GDNAttentionMetadata(
+        num_prefills=1, num_prefill_tokens=6, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=2, num_spec_decode_tokens=q + 7, num_actual_tokens=num_tokens,
+        spec_sequence_masks=torch.tensor([True, False, True]),
+        non_spec_token_indx=prefill_rows, spec_token_indx=torch.arange(q + 7),
+    )  # fmt: skip
+    context = SimpleNamespace(attn_metadata={layer.prefix: md})
+
+    def vllm_path(x, b_rows, a_rows, out):
+        seen = context.attn_metadata[layer.prefix]
+        assert seen.spec_sequence_masks is None and seen.num_actual_tokens == 6
+        assert torch.equal(x, mixed_qkv[q : q + 6])
+        out.copy_(x[:, : out[0].numel()].view(out.shape))
+
+    trees_gdn._other_rows(context, layer, vllm_path, md, mixed_qkv, b, a, core_attn_out)
+    assert context.attn_metadata[layer.prefix] is md
+    trees_gdn._tree_rows(layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out)
+    assert torch.equal(conv, conv_before) and torch.equal(ssm, ssm_before)  # verify: no writes
+    prefill_out = mixed_qkv[q : q + 6, : heads_v * layer.head_v_dim].view(6, heads_v, -1)
+    assert torch.equal(core_attn_out[q : q + 6], prefill_out)
+    assert (core_attn_out[q + 13 :] == 7.0).all()  # padded token rows untouched
+
+    weight = layer.conv1d.weight[:, 0]
+    expected_blocks = {}
+    for member, (row, block, count) in enumerate([(0, 3, q), (2, 4, 7)]):
+        parents = trees.parents[member : member + 1, :count]
+        rows = torch.arange(int(qsl[row]), int(qsl[row]) + count)
+        x_conv = tree_conv1d(
+            mixed_qkv[rows][None], conv[block : block + 1].clone(), parents, weight,
+            layer.conv1d.bias, "silu",
+        )  # fmt: skip
+        q_, k_, v_ = split_qkv(layer, x_conv)
+        g, beta = gdn_gating(layer.A_log, a[rows][None], b[rows][None], layer.dt_bias)
+        want, _ = tree_gdn(q_, k_, v_, g, beta, ssm[block : block + 1].clone(), parents)
+        torch.testing.assert_close(core_attn_out[rows], want[0], atol=1e-4, rtol=1e-4)
+        # Its accepted path: a deepest scheduled node's root path.
+        node = int(trees.depths[member, :count].argmax())
+        path = [node]
+        while path[-1] > 0:
+            path.append(int(trees.parents[member, path[-1]]))
+        path = path[::-1]
+        _, states = chain_gdn(q_[:, path], k_[:, path], v_[:, path], g[:, path], beta[:, path],
+                              ssm[block : block + 1].clone())  # fmt: skip
+        history = torch.cat([conv[block], mixed_qkv[rows][path].T], 1)
+        expected_blocks[block] = (path, states[0, -1], history[:, -(weight.shape[1] - 1) :])
+
+    path = torch.full((num_reqs, DEPTH + 1), -1, dtype=torch.long)
+    path[1, 0] = path[3, 0] = 0  # rows without a tree walk their root only
+    for row, block in ((0, 3), (2, 4)):
+        accepted = expected_blocks[block][0]
+        path[row, : len(accepted)] = torch.tensor(accepted)
+    active = engine.tables.tree_rows[:num_reqs] >= 0
+    trees_gdn.commit(path, active)
+    for block, (_, state, conv_state) in expected_blocks.items():
+        torch.testing.assert_close(ssm[block], state, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(conv[block], conv_state, atol=0, rtol=0)
+    for block in (0, 1, 2, 5):
+        assert torch.equal(ssm[block], ssm_before[block]), block
+        assert torch.equal(conv[block], conv_before[block]), block
+
+
 if __name__ == "__main__":
     import numpy as np
 
     sys.path.insert(0, os.path.dirname(__file__))
+    check_gdn()
     check_penalties()
     check_bad_words()
     check("torch")

@@ -44,11 +44,12 @@ def _delta_rule_step(state, k_row, v_row, g_at, beta_at, offs_k, mask_k, offs_v,
 
 @triton.jit
 def _tree_gdn_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ancestors_ptr, depths_ptr, out_ptr,
-    n_slots, heads_v, ratio, dim_v, scale, eps,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ancestors_ptr, depths_ptr,
+    out_ptr, n_slots, heads_v, ratio, dim_v, scale, eps,
     s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn,
     s_sb, s_sh, s_sv, s_ab, s_an, s_db, s_ob, s_on, s_oh,
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):  # fmt: skip
     node = tl.program_id(0)
     hv = tl.program_id(1)
@@ -60,8 +61,11 @@ def _tree_gdn_kernel(
     mask_k = offs_k < K
     mask_v = offs_v < dim_v
     tile = mask_v[:, None] & mask_k[None, :]
+    cell = req
+    if SLOTS:  # the request's state lives in a cache slot
+        cell = tl.load(slots_ptr + req).to(tl.int64)
     state = tl.load(
-        state_ptr + req * s_sb + hv * s_sh + offs_v[:, None] * s_sv + offs_k[None, :],
+        state_ptr + cell * s_sb + hv * s_sh + offs_v[:, None] * s_sv + offs_k[None, :],
         mask=tile,
         other=0.0,
     ).to(tl.float32)  # [BV, BK]
@@ -94,9 +98,11 @@ def tree_gdn_fused(
     l2norm_eps: float = 1e-6,
     out: torch.Tensor | None = None,
     block_v: int = 32,
+    state_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every node's GDN output ``[b, N, HV, V]`` float32: its root path's recurrence from the
-    request's cached ``state [b, HV, V, K]``.
+    request's cached ``state [b, HV, V, K]`` (or, with ``state_slots [b]``, from
+    ``state[state_slots[r]]`` of a cache ``[S, HV, V, K]``, read only).
 
     ``q, k [b, N, H, K]``, ``v [b, N, HV, V]``, ``g, beta [b, N, HV]`` (log-decay, write
     strength), ``ancestors [b, N, D + 1]`` (k-th ancestor, saturating at the root; padding
@@ -108,8 +114,9 @@ def tree_gdn_fused(
     heads_v, dim_v = v.shape[2], v.shape[3]
     if heads_v % heads:
         raise ValueError(f"value heads ({heads_v}) must be a multiple of key heads ({heads})")
-    if tuple(state.shape) != (batch, heads_v, dim_v, dim_k):
-        raise ValueError(f"state must be [b, HV, V, K], got {list(state.shape)}")
+    states = batch if state_slots is None else state.shape[0]
+    if tuple(state.shape) != (states, heads_v, dim_v, dim_k):
+        raise ValueError(f"state must be [b or S, HV, V, K], got {list(state.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
         if t.stride(-1) != 1:
             raise ValueError(f"tree_gdn_fused: {name} must have a contiguous last dim")
@@ -120,7 +127,8 @@ def tree_gdn_fused(
     block_v = min(block_v, next_pow2(dim_v))
     grid = (batch * n_slots, heads_v, triton.cdiv(dim_v, block_v))
     _tree_gdn_kernel[grid](
-        q, k, v, g, beta, state, ancestors, depths, out,
+        q, k, v, g, beta, state, state if state_slots is None else state_slots, ancestors,
+        depths, out,
         n_slots, heads_v, heads_v // heads, dim_v,
         dim_k**-0.5 if scale is None else scale, l2norm_eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -129,6 +137,7 @@ def tree_gdn_fused(
         ancestors.stride(0), ancestors.stride(1), depths.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
+        SLOTS=state_slots is not None,
     )  # fmt: skip
     return out
 

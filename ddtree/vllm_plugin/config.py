@@ -320,17 +320,18 @@ def check_platform(settings: Settings) -> None:
 
 def check_hybrid(args, target_model_config) -> None:
     """A hybrid target (Qwen3.5 / 3.6: Gated DeltaNet + attention layers): the tree verify of
-    its linear-attention layers runs in vLLM's CPU build (``vllm_plugin/gdn.py``); refuse what
-    it does not serve."""
+    its linear-attention layers runs in vLLM's CPU build (``vllm_plugin/gdn.py``) and on CUDA's
+    V2 model runner (``vllm_plugin/v2/gdn.py``); refuse what they do not serve."""
     from vllm.platforms import current_platform
 
     if not target_model_config.is_hybrid:
         return
     arch = target_model_config.architecture
-    if not current_platform.is_cpu():
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("0", "false")
+    if current_platform.is_cuda() and not v2:
         raise NotImplementedError(
-            f"ddtree on a hybrid target ({arch}: linear-attention layers) runs on vLLM's CPU "
-            "build only so far; on CUDA serve it with method dflash"
+            f"ddtree on a hybrid target ({arch}: linear-attention layers) runs on CUDA's V2 "
+            "model runner only: unset VLLM_USE_V2_MODEL_RUNNER=0"
         )
     if args.enable_prefix_caching:
         raise ValueError(

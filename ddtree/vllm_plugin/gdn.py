@@ -66,7 +66,6 @@ def install() -> None:
             return vllm_core(mixed_qkv, b, a, core_attn_out, layer_name)
         gdn_core(layer, metadata[layer.prefix], mixed_qkv, b, a, core_attn_out, engine)
 
-    _patch_state_allocation()
     _keep_float32_conv_weights()
 
     # torch infers the custom op's schema from the signature: vLLM's, annotations resolved.
@@ -74,7 +73,7 @@ def install() -> None:
     replace(gdn_attention, "cpu_gdn_attention_core", cpu_gdn_attention_core)
 
 
-def _patch_state_allocation() -> None:
+def patch_state_allocation() -> None:
     """A DDTree engine keeps one state per request: vLLM's chain rollback would allocate
     ``1 + B`` state blocks and ``W - 1 + B`` conv columns per request and layer (at Qwen3.6-27B
     shapes about 144 MiB per block), none of which the tree path reads."""
@@ -131,8 +130,8 @@ def check_layer(name: str, layer) -> None:
         )
     if not current_platform.is_cpu():
         raise NotImplementedError(
-            f"ddtree: the tree verify of Gated DeltaNet layers ({name}) runs on vLLM's CPU "
-            "build only so far; on CUDA serve this hybrid target with method dflash"
+            f"ddtree: on CUDA the tree verify of Gated DeltaNet layers ({name}) runs on the V2 "
+            "model runner only (unset VLLM_USE_V2_MODEL_RUNNER=0)"
         )
 
 

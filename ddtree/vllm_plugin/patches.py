@@ -35,8 +35,10 @@ def register() -> None:
     _patch_v1_runner()
     from vllm.platforms import current_platform
 
+    gdn.patch_state_allocation()  # one GDN state block per request (both runners)
     if current_platform.is_cuda():
         _patch_v2_runner()
+        _patch_v2_gdn()
     if current_platform.is_cpu():
         gdn.install()
     _patch_attention()
@@ -319,6 +321,7 @@ def _patch_v2_runner() -> None:
     from vllm.v1.worker.gpu import model_runner as mr2
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+    from ddtree.vllm_plugin.v2 import gdn as v2_gdn
     from ddtree.vllm_plugin.v2 import prepare as v2_prepare
     from ddtree.vllm_plugin.v2.sampler import TreeSampler
     from ddtree.vllm_plugin.v2.speculator import make_speculator_class
@@ -345,7 +348,15 @@ def _patch_v2_runner() -> None:
     def load_model(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
         engine = engine_of(self)
-        if engine is not None and self.rejection_sampler is not None:
+        if engine is None:
+            return
+        layers = v2_gdn.gdn_layers(self.model)
+        if layers:  # stashes made now, before vLLM sizes the KV cache
+            engine.gdn = v2_gdn.TreeGDN(engine.tables, layers)
+            rope = getattr(self.model_state, "rope_state", None)
+            if rope is not None:
+                rope.ddtree_engine = engine
+        if self.rejection_sampler is not None:
             self.rejection_sampler = TreeSampler(engine, self.sampler, self.num_speculative_steps)
 
     @wrap(runner_cls, "initialize_kv_cache")
@@ -390,6 +401,40 @@ def _patch_v2_runner() -> None:
         if engine is not None and not engine.uniform_trees:
             uniform_token_count = None
         return original(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+
+
+def _patch_v2_gdn() -> None:
+    """Hybrid targets on the V2 runner: a bound GDN layer's core runs through its engine
+    (``v2/gdn.py``); tree rows of M-RoPE targets get depth positions in every RoPE section."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+    from vllm.v1.worker.gpu.mm.rope import RopeState
+
+    from ddtree.vllm_plugin.v2 import kernels as v2_kernels
+
+    @wrap(QwenGatedDeltaNetAttention, "_forward_core")
+    def _forward_core(original, self, mixed_qkv, b, a, core_attn_out):
+        trees = getattr(self, "ddtree_gdn", None)
+        if trees is None:
+            return original(self, mixed_qkv, b, a, core_attn_out)
+
+        def plain(*args):
+            return original(self, *args)
+
+        return trees.forward(self, plain, mixed_qkv, b, a, core_attn_out)
+
+    @wrap(RopeState, "prepare_positions")
+    def prepare_positions(original, self, idx_mapping, query_start_loc, *args, **kwargs):
+        original(self, idx_mapping, query_start_loc, *args, **kwargs)
+        engine = getattr(self, "ddtree_engine", None)
+        if engine is not None and engine.tree_step:
+            v2_kernels.depth_positions(
+                engine.tables.tree_rows[: engine.marked_rows],
+                self.positions,
+                query_start_loc,
+                engine.tables.depths,
+            )
 
 
 def _patch_attention() -> None:

@@ -104,12 +104,18 @@ class TreeEngine:
     uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
     acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE (made by the TreeSampler)
     tuner: Any = None  # tuner.BudgetTuner of an "auto" budget schedule (made with the engine)
+    gdn: Any = None  # v2.gdn.TreeGDN of a hybrid target's Gated DeltaNet layers
+    marked_rows: int = 0  # batch rows prepare_step marked in tables.tree_rows this step
     _fused_layers: dict | None = None
 
     def bind(self, runner, draft_layers: set[str]) -> None:
         """Once, after the KV cache exists: the target's attention layers get this engine."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
         context = runner.compilation_config.static_forward_context
         for group, spec in enumerate(runner.kv_cache_config.kv_cache_groups):
+            if isinstance(spec.kv_cache_spec, MambaSpec):  # GDN layers: self.gdn
+                continue
             for name in spec.layer_names:
                 if name in draft_layers:
                     continue
@@ -131,6 +137,8 @@ class TreeEngine:
                 layer.impl.ddtree_binding = LayerBinding(self, group)
                 self.layers.append((group, kv_cache, layer.impl))
         self.slot_mappings = runner.block_tables.slot_mappings
+        if self.gdn is not None:
+            self.gdn.bind(runner)
 
     def attend(self, impl, original, query, key, value, kv_cache, attn_metadata, output, group):
         """The attention hook of a bound target layer: the backend's pass where it is needed,

@@ -70,3 +70,19 @@ def sequential_positions(
         tree_rows, positions, query_start_loc, query_start_loc, tree_rows, tree_rows, 0, 0,
         FIND_TREES=False, AT_DEPTH=False, BLOCK=128,
     )  # fmt: skip
+
+
+def depth_positions(
+    tree_rows: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    depths: torch.Tensor,
+) -> None:
+    """Each tree request's positions ``root + depth[slot]`` in place, in every section of a
+    multi-dimensional RoPE's ``positions [sections, tokens]`` (M-RoPE: a decode row's sections
+    share one offset from the root, so a node at depth d sits d past it in each)."""
+    for section in positions:
+        _tree_positions_kernel[(tree_rows.shape[0],)](
+            tree_rows, section, query_start_loc, query_start_loc, tree_rows, depths,
+            depths.stride(0), 0, FIND_TREES=False, AT_DEPTH=True, BLOCK=128,
+        )  # fmt: skip

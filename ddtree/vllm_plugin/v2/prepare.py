@@ -19,7 +19,7 @@ def check_settings(vllm_config) -> None:
         "decode_context_parallel_size": parallel.decode_context_parallel_size > 1,
         "prefill_context_parallel_size": parallel.prefill_context_parallel_size > 1,
         "kv_cache_dtype": vllm_config.cache_config.cache_dtype != "auto",
-        "M-RoPE targets (Qwen3.5 / Qwen3.6)": vllm_config.model_config.uses_mrope,
+        "XD-RoPE targets": vllm_config.model_config.uses_xdrope_dim > 0,
     }
     for name, bad in refused.items():
         if bad:
@@ -64,6 +64,9 @@ def prepare_step(engine: TreeEngine, input_batch) -> None:
     tables = engine.tables
     # Every row the sampler's graph reads (requests padded to a bucket) gets a value.
     rows = max(graphs.bucket(input_batch.num_reqs), input_batch.num_reqs_after_padding)
+    engine.marked_rows = rows
+    if engine.gdn is not None:
+        engine.gdn.num_reqs = input_batch.num_reqs
     kernels.mark_trees_and_depth_positions(
         tables.tree_rows[:rows],
         input_batch.positions,

@@ -162,6 +162,8 @@ class TreeSampler:
         if engine.tuner is not None:  # likewise
             engine.tuner.walked(acceptance.path, verified)
         engine.commit(acceptance.path, active, start)
+        if engine.gdn is not None:
+            engine.gdn.commit(acceptance.path, active)
         return sampled, num_sampled.int(), num_rejected.int()
 
 

@@ -1,0 +1,262 @@
+"""Gated DeltaNet layers of hybrid targets (Qwen3.5 / Qwen3.6) on the V2 model runner.
+
+vLLM's chain verify gives draft token t the state after token t-1 and keeps one state block
+per draft token; inside a tree that state is a sibling's, and at B nodes the blocks would cost
+``1 + B`` states per request and layer. A DDTree engine keeps each request's one state block
+(``block_table[:, 0]``; ``ddtree.vllm_plugin.gdn.patch_state_allocation`` drops the others)
+and, per GDN layer and step:
+
+* verify: each tree node's conv window over its ancestors (:func:`ddtree.gdn.tree_conv1d_table`)
+  and its root path's recurrence read from the block (:func:`ddtree.kernels.tree_gdn_fused`);
+  nothing is written to the caches. Rows of requests without a tree (prefill chunks in a mixed
+  step) go through vLLM's own path with the tree rows taken out of its metadata;
+* stash: the nodes' conv inputs, ``g`` and ``beta`` in persistent ``[R, 1 + B, ...]`` buffers
+  (allocated with the model, before vLLM sizes the KV cache);
+* commit, after the walk: the accepted path's conv (:func:`ddtree.gdn.path_conv1d`) and
+  recurrence (:func:`ddtree.kernels.replay_path_fused`) into the block.
+
+Verify and commit use fixed shapes and device values only: the verify graphs and the tree
+sampler's tail graph capture them. Tree layout: batch row r verifies ``tables.tree_rows[r]``'s
+tree (-1: none) over rows ``query_start_loc[r] ..`` of the step, as the attention hook reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddtree import gdn
+from ddtree.vllm_plugin.v2.engine import TreeTables
+
+log = logging.getLogger("vllm.ddtree")
+
+
+@dataclass
+class GDNLayer:
+    """One GDN layer's stash and where its request states live."""
+
+    layer: Any  # vLLM's QwenGatedDeltaNetAttention
+    conv_input: torch.Tensor  # [R, Q, C] the step's tree nodes' conv inputs (model dtype)
+    g: torch.Tensor  # [R, Q, HV] float32 log-decay
+    beta: torch.Tensor  # [R, Q, HV] float32
+    block_table: torch.Tensor | None = None  # [max_reqs, blocks] batch order; col 0: state
+
+
+def gdn_layers(model) -> list:
+    """The target's Gated DeltaNet layers (vLLM's ``QwenGatedDeltaNetAttention``)."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    return [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+
+
+def stash_bytes(layers: list, rows: int, slots: int) -> int:
+    """What the stashes of ``layers`` take for ``rows`` requests of ``slots`` tree slots."""
+    total = 0
+    for layer in layers:
+        channels = layer.conv1d.weight.shape[0]
+        heads_v = layer.num_v_heads // layer.tp_size
+        total += rows * slots * (channels * layer.conv1d.weight.element_size() + 8 * heads_v)
+    return total
+
+
+class TreeGDN:
+    """The GDN half of a V2 DDTree engine: verify hook, stash and commit of every GDN layer."""
+
+    def __init__(self, tables: TreeTables, layers: list):
+        self.tables = tables
+        rows, slots = tables.tree_rows.shape[0], tables.tokens.shape[1]
+        self.layers: dict[str, GDNLayer] = {}
+        for layer in layers:
+            weight = layer.conv1d.weight
+            channels, heads_v = weight.shape[0], layer.num_v_heads // layer.tp_size
+            device = weight.device
+            self.layers[layer.prefix] = GDNLayer(
+                layer,
+                torch.zeros(rows, slots, channels, dtype=weight.dtype, device=device),
+                torch.zeros(rows, slots, heads_v, dtype=torch.float32, device=device),
+                torch.zeros(rows, slots, heads_v, dtype=torch.float32, device=device),
+            )
+            layer.ddtree_gdn = self
+        self.query_start_loc: torch.Tensor | None = None  # the runner's persistent buffer
+        self.num_reqs = 0  # the step's requests (read in mixed steps, which run eagerly)
+        log.info(
+            "ddtree: %d GDN layers, tree stashes of %.1f MiB (%d requests x %d slots)",
+            len(layers), stash_bytes(layers, rows, slots) / 2**20, rows, slots,
+        )  # fmt: skip
+
+    def bind(self, runner) -> None:
+        """After the KV cache exists: each layer's block table (batch order, the runner's
+        persistent one) and the runner's ``query_start_loc`` buffer."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.query_start_loc = runner.input_buffers.query_start_loc
+        tables = runner.block_tables.input_block_tables
+        for group, spec in enumerate(runner.kv_cache_config.kv_cache_groups):
+            if not isinstance(spec.kv_cache_spec, MambaSpec):
+                continue
+            for name in spec.layer_names:
+                if name in self.layers:
+                    self.layers[name].block_table = tables[group]
+        unbound = [name for name, entry in self.layers.items() if entry.block_table is None]
+        if unbound:
+            raise RuntimeError(f"ddtree: GDN layers without a state cache group: {unbound}")
+
+    # --- verify --------------------------------------------------------------------------
+
+    def forward(self, layer, original, mixed_qkv, b, a, core_attn_out) -> None:
+        """vLLM's ``_forward_core`` of a bound layer: tree rows here, other rows by vLLM."""
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        if context.attn_metadata is None:  # vLLM's warm-up of its prefill kernels
+            return original(mixed_qkv, b, a, core_attn_out)
+        md = context.attn_metadata[layer.prefix]
+        if md.spec_sequence_masks is None:  # no request verifies a tree
+            return original(mixed_qkv, b, a, core_attn_out)
+        mixed = md.num_prefills > 0 or md.num_decodes > 0
+        if mixed:
+            self._other_rows(context, layer, original, md, mixed_qkv, b, a, core_attn_out)
+            num_reqs = self.num_reqs
+        else:  # every (padded) request verifies: vLLM's batch size
+            num_reqs = md.spec_state_indices_tensor.shape[0]
+        self._tree_rows(layer, md.num_actual_tokens, num_reqs, mixed_qkv, b, a, core_attn_out)
+
+    def _other_rows(self, context, layer, original, md, mixed_qkv, b, a, core_attn_out) -> None:
+        """Rows of requests without a tree through vLLM's own path: its metadata with the
+        spec part taken out (its non-spec fields already describe exactly these rows)."""
+        rows = md.non_spec_token_indx.long()
+        count = md.num_prefill_tokens + md.num_decode_tokens
+        plain = dataclasses.replace(
+            md,
+            num_spec_decodes=0,
+            num_spec_decode_tokens=0,
+            num_actual_tokens=count,
+            spec_query_start_loc=None,
+            spec_state_indices_tensor=None,
+            spec_sequence_masks=None,
+            spec_token_indx=None,
+            non_spec_token_indx=None,
+            num_accepted_tokens=None,
+        )
+        out = torch.zeros(
+            (count, *core_attn_out.shape[1:]), dtype=core_attn_out.dtype, device=rows.device
+        )
+        context.attn_metadata[layer.prefix] = plain
+        try:
+            original(mixed_qkv[rows], b[rows], a[rows], out)
+        finally:
+            context.attn_metadata[layer.prefix] = md
+        core_attn_out.index_copy_(0, rows, out)
+
+    def _tree_rows(self, layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out) -> None:
+        from ddtree.kernels.gdn_tree import tree_gdn_fused
+
+        entry = self.layers[layer.prefix]
+        tables = self.tables
+        width = tables.tokens.shape[1]  # Q = 1 + B slots per request
+        device = mixed_qkv.device
+        qsl = self.query_start_loc[: num_reqs + 1].long()
+        start, count = qsl[:-1], qsl[1:] - qsl[:-1]  # [R]
+        tree = tables.tree_rows[:num_reqs].long()  # [R]: tree-table row, -1: none
+        slot = torch.arange(width, device=device)
+        valid = (tree[:, None] >= 0) & (slot < count[:, None])  # [R, Q]
+        rows = (start[:, None] + slot).clamp(max=num_tokens - 1)  # [R, Q] token rows
+        table = tree.clamp(min=0)
+        # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
+        depths = torch.where(valid, tables.depths[table], 0)  # [R, Q]
+        ancestors = torch.where(valid[..., None], tables.ancestors[table], slot[:, None])
+        x = mixed_qkv[:num_tokens][rows]  # [R, Q, C]
+        g, beta = gdn.gdn_gating(layer.A_log, a[rows], b[rows], layer.dt_bias)  # [R, Q, HV]
+        conv, ssm = caches(layer)
+        weight = conv_weight(layer)
+        cache_slots = torch.where(tree >= 0, entry.block_table[:num_reqs, 0].long(), 0)  # [R]
+        conv_state = conv[cache_slots][..., : weight.shape[1] - 1].float()  # [R, C, W-1]
+        x_conv = (
+            gdn.tree_conv1d_table(
+                x, conv_state, ancestors, depths, weight, layer.conv1d.bias, layer.activation
+            )
+            .to(x.dtype)
+            .contiguous()
+        )
+        q, k, v = split_qkv(layer, x_conv)
+        out = tree_gdn_fused(
+            q, k, v, g, beta, ssm, ancestors, depths, state_slots=cache_slots
+        )  # [R, Q, HV, V] float32
+        entry.conv_input[:num_reqs].copy_(x)
+        entry.g[:num_reqs].copy_(g)
+        entry.beta[:num_reqs].copy_(beta)
+        # Back to token rows (a gather: no two writes to one row).
+        token = torch.arange(num_tokens, device=device)
+        req = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=num_reqs - 1)
+        local = (token - qsl[req]).clamp(0, width - 1)
+        is_tree = valid[req, local] & (token - qsl[req] < width)  # [T]
+        node_out = out[req, local].to(core_attn_out.dtype)  # [T, HV, V]
+        core_attn_out[:num_tokens] = torch.where(
+            is_tree[:, None, None], node_out, core_attn_out[:num_tokens]
+        )
+
+    # --- commit --------------------------------------------------------------------------
+
+    def commit(self, path: torch.Tensor, active: torch.Tensor) -> None:
+        """After the walk: each tree request's state block and conv columns after its accepted
+        path (``path [R, D+1]`` slots from the root, -1 padded; ``active [R]``). Other
+        requests' blocks are rewritten with what they hold."""
+        from ddtree.kernels.gdn_tree import replay_path_fused
+
+        num_reqs, steps = path.shape
+        lengths = torch.where(active, (path >= 0).sum(1), 0)  # [R]
+        step = torch.arange(steps, device=path.device)
+        local = torch.where(step < lengths[:, None], step, -1)  # [R, L]: the path, in order
+        rows = torch.arange(num_reqs, device=path.device)[:, None]
+        nodes = path.clamp(min=0)  # [R, L]
+        for entry in self.layers.values():
+            layer = entry.layer
+            conv, ssm = caches(layer)
+            weight = conv_weight(layer)
+            window = weight.shape[1] - 1
+            # Rows without a tree use vLLM's null block 0 (rewritten with its own values): a
+            # stale row may hold a live request's block, which two writers would race on.
+            cache_slots = torch.where(active, entry.block_table[:num_reqs, 0].long(), 0)
+            conv_state = conv[cache_slots][..., :window].float()  # [R, C, W-1]
+            x_conv, new_conv = gdn.path_conv1d(
+                entry.conv_input[rows, nodes], conv_state, lengths, weight,
+                layer.conv1d.bias, layer.activation,
+            )  # fmt: skip
+            _, k, v = split_qkv(layer, x_conv.to(entry.conv_input.dtype).contiguous())
+            replay_path_fused(
+                k, v, entry.g[rows, nodes], entry.beta[rows, nodes], ssm, cache_slots, local
+            )
+            conv[cache_slots, :, :window] = new_conv.to(conv.dtype)
+
+
+def caches(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(conv [S, C, state_len], ssm [S, HV, V, K])`` views of a layer's CUDA caches."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    conv = layer.kv_cache[0]
+    if not is_conv_state_dim_first():
+        conv = conv.transpose(-1, -2)
+    return conv, layer.kv_cache[1]
+
+
+def conv_weight(layer) -> torch.Tensor:
+    """``[C, W]`` (vLLM stores ``[C, 1, W]``)."""
+    weight = layer.conv1d.weight
+    return weight.view(weight.shape[0], weight.shape[-1])
+
+
+def split_qkv(layer, x_conv: torch.Tensor):
+    """``x_conv [R, Q, C]`` -> views ``q, k [R, Q, H, K]``, ``v [R, Q, HV, V]``."""
+    key = layer.key_dim // layer.tp_size
+    q, k, v = x_conv.split([key, key, layer.value_dim // layer.tp_size], dim=-1)
+    return (
+        q.unflatten(-1, (-1, layer.head_k_dim)),
+        k.unflatten(-1, (-1, layer.head_k_dim)),
+        v.unflatten(-1, (-1, layer.head_v_dim)),
+    )
