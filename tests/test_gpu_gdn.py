@@ -42,3 +42,17 @@ def test_tree_gdn_kernel_bf16(batch):
     cache = state.clone()
     replay_path_fused(k, v, g, beta, cache, rows, path)
     torch.testing.assert_close(cache, node_states[rows, node].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_v2_tree_gdn_glue_on_cuda_and_in_a_graph():
+    """``vllm_plugin/v2/gdn.py`` (the V2 runner's GDN verify and commit) on CUDA: the CPU
+    glue test's batch (full tree, prefill, clipped tree, padded row), then both steps as one
+    CUDA graph replay (fixed shapes, no host read)."""
+    pytest.importorskip("vllm")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_v2_glue import check_gdn
+
+    check_gdn("cuda")

@@ -367,12 +367,13 @@ def _gdn_layer(gen, slots: int, heads=2, group=2, dim_k=8, dim_v=4, width=4):
     )
 
 
-def check_gdn() -> None:
+def check_gdn(device: str = "cpu") -> None:
     """``v2/gdn.py`` on a batch of a full tree, a prefill, a clipped tree and a padded row:
     tree rows equal the reference (conv over ancestors, recurrence along the root path),
     other rows go through vLLM's path with the spec part taken out, nothing is written during
     the verify; the commit leaves each tree request's block as a chain over its accepted path
-    would, and every other block as it was (a stale block-table row included)."""
+    would, and every other block as it was (a stale block-table row included). On CUDA
+    (``tests/test_gpu_gdn.py``) the verify and the commit run again as CUDA graph replays."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
     from ddtree.gdn import chain_gdn, gdn_gating, tree_conv1d, tree_gdn
@@ -381,61 +382,79 @@ def check_gdn() -> None:
     gen = torch.Generator().manual_seed(7)
     trees = ddtree.build_tree(torch.randn(2, DEPTH, VOCAB, generator=gen) * 2, BUDGET)
     engine = _engine(trees, torch.tensor([5, 2]), "fused")
+    tables = engine.tables
+    for name in ("tokens", "parents", "depths", "ancestors", "tree_rows", "path"):
+        setattr(tables, name, getattr(tables, name).to(device))
     q = BUDGET + 1
     num_reqs, num_tokens = 4, q + 16  # rows: tree q, prefill 6, clipped tree 7, 3 padded
     qsl = torch.tensor([0, q, q + 6, q + 13, q + 13], dtype=torch.int32)
-    engine.tables.tree_rows[:num_reqs] = torch.tensor([5, -1, 2, -1], dtype=torch.int32)
+    tables.tree_rows[:num_reqs] = torch.tensor([5, -1, 2, -1], dtype=torch.int32)
     layer = _gdn_layer(gen, slots=6)
-    trees_gdn = TreeGDN(engine.tables, [layer])
-    trees_gdn.query_start_loc = qsl
+    cpu_layer = SimpleNamespace(**vars(layer))  # the references' copy
+    for name in ("A_log", "dt_bias"):
+        setattr(layer, name, getattr(layer, name).to(device))
+    layer.conv1d = SimpleNamespace(**{k: v.to(device) for k, v in vars(layer.conv1d).items()})
+    layer.kv_cache = [t.to(device) for t in layer.kv_cache]
+    trees_gdn = TreeGDN(tables, [layer])
+    trees_gdn.query_start_loc = qsl.to(device)
     entry = trees_gdn.layers[layer.prefix]
     # State blocks: 3 (tree), 1 (prefill), 4 (clipped tree); the padded row is stale: it
     # still names block 3, which the commit must not race on.
-    entry.block_table = torch.tensor([[3, 9], [1, 9], [4, 9], [3, 9], [0, 0]], dtype=torch.int32)
+    entry.block_table = torch.tensor(
+        [[3, 9], [1, 9], [4, 9], [3, 9], [0, 0]], dtype=torch.int32, device=device
+    )
     channels, heads_v = layer.conv1d.weight.shape[0], layer.num_v_heads
     mixed_qkv = torch.randn(num_tokens, channels, generator=gen)
     a, b = torch.randn(num_tokens, heads_v, generator=gen), torch.randn(num_tokens, heads_v)
-    core_attn_out = torch.full((num_tokens, heads_v, layer.head_v_dim), 7.0)
+    core_attn_out = torch.full((num_tokens, heads_v, layer.head_v_dim), 7.0, device=device)
+    conv_cpu, ssm_cpu = caches(cpu_layer)
     conv, ssm = caches(layer)
     conv_before, ssm_before = conv.clone(), ssm.clone()
+    inputs = [t.to(device) for t in (mixed_qkv, b, a)]
 
     # vLLM's path for the prefill's rows, with the tree rows taken out of its metadata.
-    prefill_rows = torch.arange(q, q + 6, dtype=torch.int32)
+    prefill_rows = torch.arange(q, q + 6, dtype=torch.int32, device=device)
     md = GDNAttentionMetadata(
         num_prefills=1, num_prefill_tokens=6, num_decodes=0, num_decode_tokens=0,
         num_spec_decodes=2, num_spec_decode_tokens=q + 7, num_actual_tokens=num_tokens,
-        spec_sequence_masks=torch.tensor([True, False, True]),
-        non_spec_token_indx=prefill_rows, spec_token_indx=torch.arange(q + 7),
+        spec_sequence_masks=torch.tensor([True, False, True], device=device),
+        non_spec_token_indx=prefill_rows, spec_token_indx=torch.arange(q + 7, device=device),
     )  # fmt: skip
     context = SimpleNamespace(attn_metadata={layer.prefix: md})
 
     def vllm_path(x, b_rows, a_rows, out):
         seen = context.attn_metadata[layer.prefix]
         assert seen.spec_sequence_masks is None and seen.num_actual_tokens == 6
-        assert torch.equal(x, mixed_qkv[q : q + 6])
+        assert torch.equal(x.cpu(), mixed_qkv[q : q + 6])
         out.copy_(x[:, : out[0].numel()].view(out.shape))
 
-    trees_gdn._other_rows(context, layer, vllm_path, md, mixed_qkv, b, a, core_attn_out)
+    trees_gdn._other_rows(context, layer, vllm_path, md, *inputs, core_attn_out)
     assert context.attn_metadata[layer.prefix] is md
-    trees_gdn._tree_rows(layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out)
-    assert torch.equal(conv, conv_before) and torch.equal(ssm, ssm_before)  # verify: no writes
-    prefill_out = mixed_qkv[q : q + 6, : heads_v * layer.head_v_dim].view(6, heads_v, -1)
-    assert torch.equal(core_attn_out[q : q + 6], prefill_out)
-    assert (core_attn_out[q + 13 :] == 7.0).all()  # padded token rows untouched
 
-    weight = layer.conv1d.weight[:, 0]
+    def verify():
+        trees_gdn._tree_rows(layer, num_tokens, num_reqs, *inputs, core_attn_out)
+
+    verify()
+    assert torch.equal(conv, conv_before) and torch.equal(ssm, ssm_before)  # verify: no writes
+    got = core_attn_out.cpu()
+    prefill_out = mixed_qkv[q : q + 6, : heads_v * layer.head_v_dim].view(6, heads_v, -1)
+    assert torch.equal(got[q : q + 6], prefill_out)
+    assert (got[q + 13 :] == 7.0).all()  # padded token rows untouched
+
+    weight = cpu_layer.conv1d.weight[:, 0]
+    tol = dict(atol=1e-4, rtol=1e-4) if device == "cpu" else dict(atol=2e-3, rtol=2e-3)
     expected_blocks = {}
     for member, (row, block, count) in enumerate([(0, 3, q), (2, 4, 7)]):
         parents = trees.parents[member : member + 1, :count]
         rows = torch.arange(int(qsl[row]), int(qsl[row]) + count)
         x_conv = tree_conv1d(
-            mixed_qkv[rows][None], conv[block : block + 1].clone(), parents, weight,
-            layer.conv1d.bias, "silu",
+            mixed_qkv[rows][None], conv_cpu[block : block + 1].clone(), parents, weight,
+            cpu_layer.conv1d.bias, "silu",
         )  # fmt: skip
-        q_, k_, v_ = split_qkv(layer, x_conv)
-        g, beta = gdn_gating(layer.A_log, a[rows][None], b[rows][None], layer.dt_bias)
-        want, _ = tree_gdn(q_, k_, v_, g, beta, ssm[block : block + 1].clone(), parents)
-        torch.testing.assert_close(core_attn_out[rows], want[0], atol=1e-4, rtol=1e-4)
+        q_, k_, v_ = split_qkv(cpu_layer, x_conv)
+        g, beta = gdn_gating(cpu_layer.A_log, a[rows][None], b[rows][None], cpu_layer.dt_bias)
+        want, _ = tree_gdn(q_, k_, v_, g, beta, ssm_cpu[block : block + 1].clone(), parents)
+        torch.testing.assert_close(got[rows], want[0], **tol)
         # Its accepted path: a deepest scheduled node's root path.
         node = int(trees.depths[member, :count].argmax())
         path = [node]
@@ -443,8 +462,8 @@ def check_gdn() -> None:
             path.append(int(trees.parents[member, path[-1]]))
         path = path[::-1]
         _, states = chain_gdn(q_[:, path], k_[:, path], v_[:, path], g[:, path], beta[:, path],
-                              ssm[block : block + 1].clone())  # fmt: skip
-        history = torch.cat([conv[block], mixed_qkv[rows][path].T], 1)
+                              ssm_cpu[block : block + 1].clone())  # fmt: skip
+        history = torch.cat([conv_cpu[block], mixed_qkv[rows][path].T], 1)
         expected_blocks[block] = (path, states[0, -1], history[:, -(weight.shape[1] - 1) :])
 
     path = torch.full((num_reqs, DEPTH + 1), -1, dtype=torch.long)
@@ -452,14 +471,43 @@ def check_gdn() -> None:
     for row, block in ((0, 3), (2, 4)):
         accepted = expected_blocks[block][0]
         path[row, : len(accepted)] = torch.tensor(accepted)
-    active = engine.tables.tree_rows[:num_reqs] >= 0
+    path = path.to(device)
+    active = tables.tree_rows[:num_reqs] >= 0
     trees_gdn.commit(path, active)
-    for block, (_, state, conv_state) in expected_blocks.items():
-        torch.testing.assert_close(ssm[block], state, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(conv[block], conv_state, atol=0, rtol=0)
-    for block in (0, 1, 2, 5):
-        assert torch.equal(ssm[block], ssm_before[block]), block
-        assert torch.equal(conv[block], conv_before[block]), block
+
+    def check_blocks():
+        for block, (_, state, conv_state) in expected_blocks.items():
+            torch.testing.assert_close(ssm[block].cpu(), state, **tol)
+            torch.testing.assert_close(conv[block].cpu(), conv_state, atol=0, rtol=0)
+        for block in (0, 1, 2, 5):
+            assert torch.equal(ssm[block], ssm_before[block]), block
+            assert torch.equal(conv[block], conv_before[block]), block
+
+    check_blocks()
+    if device != "cuda":
+        return
+    # The same steps as graph replays (fixed shapes, no host read): equal outputs and blocks.
+    eager_out = core_attn_out.clone()
+    conv.copy_(conv_before)
+    ssm.copy_(ssm_before)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (kernels compiled)
+        verify()
+        trees_gdn.commit(path, active)
+    torch.cuda.current_stream().wait_stream(stream)
+    conv.copy_(conv_before)
+    ssm.copy_(ssm_before)
+    with torch.cuda.graph(graph):
+        verify()
+        trees_gdn.commit(path, active)
+    core_attn_out.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = torch.cat([torch.arange(q), torch.arange(q + 6, q + 13)])
+    torch.testing.assert_close(core_attn_out[rows], eager_out[rows], atol=0, rtol=0)
+    check_blocks()
 
 
 if __name__ == "__main__":
