@@ -40,6 +40,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "pairopts_ddtree_64",
     "pairpen_nospec",
     "pairpen_ddtree_64",
+    "pairjson_nospec",
+    "pairjson_ddtree_64",
     "hybrid_nospec",
     "hybrid_dflash",
     "hybrid_ddtree_15",
@@ -82,6 +84,22 @@ PENALTIES = [
     dict(frequency_penalty=-0.5, bad_words=[" and"]),
     dict(presence_penalty=2.0, logprobs=2),
 ]
+# pairjson: structured output per request (the scheduler's grammar masks every tree node
+# from its root path's state; on the V2 runner the drafts' parents reach it through
+# v2/grammar.py); it stays in requests.REFUSED_V2 until this case holds, so the case lifts the
+# refusal in its own process. Built in run_case (vLLM's StructuredOutputsParams).
+STRUCTURED = [
+    dict(json={"type": "object", "properties": {"name": {"type": "string"},
+                                                "n": {"type": "integer"}},
+               "required": ["name", "n"]}),
+    dict(regex=r"(def|class) [a-z_]{1,12}\((self)?\):"),
+    dict(choice=["import os", "import sys", "print(x)"]),
+    dict(json_object=True),
+    None,
+    dict(regex=r"[0-9]+( [+*-] [0-9]+){2,6}"),
+    dict(json={"type": "array", "items": {"type": "integer"}, "maxItems": 12}),
+    None,
+]  # fmt: skip
 # hybrid: a tiny Qwen3.5 (2 x (3 Gated DeltaNet + 1 attention) layers, M-RoPE) with a DFlash
 # drafter distilled from it (tests/models.make_hybrid_pair): the V2 runner's GDN tree verify
 # and commit (vllm_plugin/v2/gdn.py).
@@ -187,6 +205,10 @@ def run_case(name: str, out: Path, dtype: str) -> None:
 
         for option in ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words"):
             requests.REFUSED_V2.pop(option)
+    if kind == "pairjson":
+        from ddtree.vllm_plugin import requests
+
+        requests.REFUSED_V2.pop("structured_outputs")
     t0 = time.time()
     llm = vllm.LLM(
         model=str(target),
@@ -205,8 +227,15 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     prompts = _prompts(kind, target)
     stop = [[], [], [202 if pair else 7], [], [], [], [10], []]  # 202: newline
     # no-spec: top-2 margins, to judge any divergence (pairopts: the options' logprobs only)
-    logprobs = 2 if spec is None and kind not in ("pairopts", "pairpen") else None
+    logprobs = 2 if spec is None and kind not in ("pairopts", "pairpen", "pairjson") else None
     options = {"pairopts": OPTIONS, "pairpen": PENALTIES}.get(kind, [{}] * len(MAX_TOKENS))
+    if kind == "pairjson":
+        from vllm.sampling_params import StructuredOutputsParams
+
+        options = [
+            {} if o is None else {"structured_outputs": StructuredOutputsParams(**o)}
+            for o in STRUCTURED
+        ]
     params = [
         vllm.SamplingParams(
             temperature=0,

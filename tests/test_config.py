@@ -390,3 +390,22 @@ def test_auto_budget_needs_the_worker_in_the_scheduler_process():
     _share_lookup(scheduler, config, options)
     assert scheduler.dynamic_sd_lookup is options.live_lookup
     assert scheduler.dynamic_sd_lookup[1:] == [64, 64] + [15] * 6
+
+
+def test_v2_drafts_reach_the_scheduler_with_their_parents():
+    """The V2 runner's drafts of a structured-output step go to the scheduler as
+    ``TreeDraftTokenIds``: each request's draft parents from the tree tables' copy, in batch
+    order (what ``v1/grammar.tree_grammar_bitmask`` reads)."""
+    import numpy as np
+    from vllm.v1.outputs import DraftTokenIds
+
+    from ddtree.vllm_plugin.v1.grammar import TreeDraftTokenIds, root_paths
+    from ddtree.vllm_plugin.v2.grammar import with_parents
+
+    drafts = DraftTokenIds(["a", "b"], [[5, 6, 7], [8, 9, 10]])
+    parents = np.array([[0, 0, 1], [0, 1, 2]])
+    got = with_parents(drafts, parents)
+    assert isinstance(got, TreeDraftTokenIds)
+    assert got.req_ids == ["a", "b"] and got.draft_token_ids == drafts.draft_token_ids
+    assert got.ddtree_parents == {"a": [0, 0, 1], "b": [0, 1, 2]}
+    assert root_paths(got.draft_token_ids[0], got.ddtree_parents["a"]) == [[5], [6], [5, 7]]

@@ -322,6 +322,7 @@ def _patch_v2_runner() -> None:
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from ddtree.vllm_plugin.v2 import gdn as v2_gdn
+    from ddtree.vllm_plugin.v2 import grammar as v2_grammar
     from ddtree.vllm_plugin.v2 import prepare as v2_prepare
     from ddtree.vllm_plugin.v2.sampler import TreeSampler
     from ddtree.vllm_plugin.v2.speculator import make_speculator_class
@@ -366,6 +367,7 @@ def _patch_v2_runner() -> None:
         if engine is not None:
             engine.bind(self, self.speculator.draft_attn_layer_names)
             self.cudagraph_manager.ddtree_engine = engine
+            self.draft_tokens_handler.ddtree_engine = engine
 
     @wrap(runner_cls, "execute_model")
     def execute_model(original, self, scheduler_output, *args, dummy_run=False, **kwargs):
@@ -392,6 +394,26 @@ def _patch_v2_runner() -> None:
             return original(self, *args, **kwargs)
         finally:
             engine.capturing = False
+
+    from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler
+
+    @wrap(DraftTokensHandler, "set_draft_tokens")
+    def set_draft_tokens(original, self, input_batch, draft_tokens):
+        # vLLM copies the drafts to the host only for steps with structured-output requests
+        # (the scheduler's grammar checks them); DDTree adds each draft's parent slot.
+        original(self, input_batch, draft_tokens)
+        engine = getattr(self, "ddtree_engine", None)
+        self.ddtree_parents_np = None
+        if engine is not None and self.draft_tokens_np is not None:
+            self.ddtree_parents_np = v2_grammar.copy_parents(self, engine, input_batch)
+
+    @wrap(DraftTokensHandler, "get_draft_tokens")
+    def get_draft_tokens(original, self):
+        drafts = original(self)  # waits for the copies
+        parents = getattr(self, "ddtree_parents_np", None)
+        if drafts is None or parents is None:
+            return drafts
+        return v2_grammar.with_parents(drafts, parents)
 
     @wrap(cudagraph_utils.CudaGraphManager, "dispatch")
     def dispatch(original, self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
