@@ -466,13 +466,15 @@ def check_gdn(device: str = "cpu") -> None:
         history = torch.cat([conv_cpu[block], mixed_qkv[rows][path].T], 1)
         expected_blocks[block] = (path, states[0, -1], history[:, -(weight.shape[1] - 1) :])
 
-    path = torch.full((num_reqs, DEPTH + 1), -1, dtype=torch.long)
-    path[1, 0] = path[3, 0] = 0  # rows without a tree walk their root only
+    # The sampler's rows: the batch padded to 8 (more than the block table's 5 rows).
+    path = torch.full((8, DEPTH + 1), -1, dtype=torch.long)
+    path[1:, 0] = 0  # rows without a tree walk their root only
     for row, block in ((0, 3), (2, 4)):
         accepted = expected_blocks[block][0]
         path[row, : len(accepted)] = torch.tensor(accepted)
     path = path.to(device)
-    active = tables.tree_rows[:num_reqs] >= 0
+    active = torch.arange(8, device=device) < 0
+    active[:num_reqs] = tables.tree_rows[:num_reqs] >= 0
     trees_gdn.commit(path, active)
 
     def check_blocks():

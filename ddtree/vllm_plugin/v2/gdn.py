@@ -175,7 +175,7 @@ class TreeGDN:
         g, beta = gdn.gdn_gating(layer.A_log, a[rows], b[rows], layer.dt_bias)  # [R, Q, HV]
         conv, ssm = caches(layer)
         weight = conv_weight(layer)
-        cache_slots = torch.where(tree >= 0, entry.block_table[:num_reqs, 0].long(), 0)  # [R]
+        cache_slots = state_blocks(entry.block_table, tree >= 0)  # [R]
         conv_state = conv[cache_slots][..., : weight.shape[1] - 1].float()  # [R, C, W-1]
         x_conv = (
             gdn.tree_conv1d_table(
@@ -220,9 +220,7 @@ class TreeGDN:
             conv, ssm = caches(layer)
             weight = conv_weight(layer)
             window = weight.shape[1] - 1
-            # Rows without a tree use vLLM's null block 0 (rewritten with its own values): a
-            # stale row may hold a live request's block, which two writers would race on.
-            cache_slots = torch.where(active, entry.block_table[:num_reqs, 0].long(), 0)
+            cache_slots = state_blocks(entry.block_table, active)
             conv_state = conv[cache_slots][..., :window].float()  # [R, C, W-1]
             x_conv, new_conv = gdn.path_conv1d(
                 entry.conv_input[rows, nodes], conv_state, lengths, weight,
@@ -233,6 +231,15 @@ class TreeGDN:
                 k, v, entry.g[rows, nodes], entry.beta[rows, nodes], ssm, cache_slots, local
             )
             conv[cache_slots, :, :window] = new_conv.to(conv.dtype)
+
+
+def state_blocks(block_table: torch.Tensor, has_tree: torch.Tensor) -> torch.Tensor:
+    """Each batch row's state block (``block_table [max_reqs, blocks]`` column 0) where it
+    verifies a tree (``has_tree [R]``; R may exceed max_reqs: the sampler pads to a power of
+    two), else vLLM's null block 0, rewritten with its own values: a stale row may still name
+    a live request's block, which two writers would race on."""
+    rows = torch.arange(has_tree.shape[0], device=has_tree.device)
+    return torch.where(has_tree, block_table[rows.clamp(max=block_table.shape[0] - 1), 0], 0).long()
 
 
 def caches(layer) -> tuple[torch.Tensor, torch.Tensor]:
