@@ -12,6 +12,8 @@
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
+#   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each
+#                                    # (~56 GB weights per engine; ~15 min: detach it)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
 #   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~12 min: detach;
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min)
@@ -92,6 +94,17 @@ tree)
   timeout 200 python3 benchmarks/tree.py --device cuda --impl "${TREE_IMPL:-both}" --vocabs 151936 \
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
+  ;;
+bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree
+  # (issue 21). ~56 GB of weights per engine: one engine per bench run, one run after another.
+  for methods in ar mtp dflash ddtree; do
+    timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$methods" \
+      --budgets 15,63 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
+      --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $methods, $GPU" \
+      --out "/tmp/bench_27b/$methods" > "$OUT/bench_27b_$methods.txt" 2>&1
+    tail -12 "$OUT/bench_27b_$methods.txt"
+  done
+  tar czf "$OUT/bench_27b.tgz" -C /tmp/bench_27b --exclude=models .
   ;;
 pair)
   timeout 700 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \

@@ -577,3 +577,23 @@ def test_bench_plot_tokens_ratio_and_tau_panels(tmp_path):
     )
     report.plot(rows, tmp_path / "bench.png", "test")
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("shapes", ["qwen3-8b", "qwen3.6-27b"])
+def test_dummy_shape_checkpoints_load_and_pair(tmp_path, shapes):
+    """``--dummy-shapes``: config-only checkpoints transformers reads, whose drafter fits the
+    target (the start-up check); Qwen3.6-27B: 48 GDN + 16 attention layers, an MTP layer."""
+    from transformers import AutoConfig
+
+    from ddtree.bench.vllm import write_dummy_shapes
+    from ddtree.dflash import check_pair, read_config
+
+    target, drafter = write_dummy_shapes(tmp_path, shapes)
+    config = AutoConfig.from_pretrained(target)
+    check_pair(read_config(drafter / "config.json"), config)
+    text = config.get_text_config()
+    if shapes == "qwen3.6-27b":
+        assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
+        assert text.layer_types.count("linear_attention") == 48
+        assert (text.linear_num_key_heads, text.linear_num_value_heads) == (16, 48)
+        assert text.mtp_num_hidden_layers == 1
