@@ -24,8 +24,8 @@ def check(dtype: torch.dtype, l2norm: bool, seed: int) -> None:
     from ddtree.kernels.gdn_tree import tree_gdn_fused
 
     gen = torch.Generator().manual_seed(seed)
-    batch, depth, budget = 2, 3, 45  # 3 + 9 + 27 = 39 prefixes exist: 6 padding slots
-    trees = ddtree.build_tree(torch.randn(batch, depth, 3, generator=gen) * 2, budget)
+    batch, depth, budget = 2, 3, 17  # 2 + 4 + 8 = 14 prefixes exist: 3 padding slots
+    trees = ddtree.build_tree(torch.randn(batch, depth, 2, generator=gen) * 2, budget)
     n, heads, heads_v, dim_k, dim_v = budget + 1, 2, 4, 16, 24
 
     def rand(*shape):
