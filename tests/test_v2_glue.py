@@ -80,6 +80,11 @@ def check(kernels: str) -> None:
     want[:q] = contexts[0] + trees.depths[0]
     want[q + 6 : q + 13] = contexts[2] + trees.depths[1, :7]
     assert positions.tolist() == want.tolist()
+    # M-RoPE: every section of a tree row gets its own root + depth (sections differ by the
+    # request's M-RoPE delta in real engines; here by 0, 1000, 2000).
+    sections = torch.stack([sequential + 1000 * k for k in range(3)])
+    kernels.depth_positions(tree_rows[:padded], sections, qsl, engine.tables.depths)
+    assert sections.tolist() == [(want + 1000 * k).tolist() for k in range(3)]
 
     # The target's tokens: agree with one random path of each tree.
     from helpers import agreeing_targets
