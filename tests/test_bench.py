@@ -567,6 +567,11 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
     assert spec["ddtree_chain_seed"] is False
     assert bench.engine_kwargs("ddtree-15", args)["speculative_config"]["ddtree_budget"] == 15
     assert bench.schedule_label(schedules[0]) == "1-4: 255, 5-512: 15"
+    # The hybrid 27B shapes: text only; "mtp" is vLLM's MTP on the target's own layer.
+    args.dummy_shapes = "qwen3.6-27b"
+    mtp = bench.engine_kwargs("mtp", args)
+    assert mtp["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert mtp["language_model_only"] and bench.engine_kwargs("ar", args)["language_model_only"]
 
 
 def test_bench_plot_tokens_ratio_and_tau_panels(tmp_path):

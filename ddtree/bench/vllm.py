@@ -214,7 +214,7 @@ def engine_kwargs(name: str, args) -> dict:
         )
     else:
         kw.update(enforce_eager=True, gpu_memory_utilization=0.1)
-    if args.dummy_shapes == "qwen3.6-27b":
+    if getattr(args, "dummy_shapes", None) == "qwen3.6-27b":
         kw["language_model_only"] = True  # the stub vision tower is never loaded
     if name == "ar":
         return kw
