@@ -1,5 +1,6 @@
-"""The tree GDN kernel (``ddtree.kernels.gdn_tree``) against the torch reference
-:func:`ddtree.gdn.tree_gdn`, run with Triton's CPU interpreter: DDTree trees with padding
+"""The tree GDN kernels (``ddtree.kernels.gdn_tree``: recurrence, conv) against the torch
+references :func:`ddtree.gdn.tree_gdn` and :func:`ddtree.gdn.tree_conv1d_table`, run with Triton's
+CPU interpreter: DDTree trees with padding
 slots, grouped value heads, a V dimension split over several programs, float32 and bfloat16
 inputs (the GPU's), with and without the in-kernel q/k L2 norm."""
 
@@ -74,7 +75,35 @@ def check(dtype: torch.dtype, l2norm: bool, seed: int) -> None:
         )
 
 
+def check_conv(dtype: torch.dtype, seed: int) -> None:
+    """The tree conv kernel against :func:`ddtree.gdn.tree_conv1d_table` (itself tested against
+    the per-path conv): DDTree trees with padding slots, an ancestor table shallower than the
+    window for one case, vLLM's conv cache layout (strided, read at each request's slot)."""
+    from ddtree.gdn import tree_conv1d_table
+    from ddtree.kernels.gdn_tree import tree_conv_fused
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, depth, budget, width, channels = 3, 2 + seed, 12, 4, 40
+    trees = ddtree.build_tree(torch.randn(batch, depth, 3, generator=gen) * 2, budget)
+    x = torch.randn(batch, budget + 1, channels, generator=gen).to(dtype)
+    # vLLM's SD layout [S, W-1, C], viewed [S, C, W-1] (strides C and 1).
+    cache = torch.randn(6, width - 1, channels, generator=gen).transpose(1, 2)
+    slots = torch.tensor([4, 0, 2])
+    weight = torch.randn(channels, width, generator=gen)
+    bias = torch.randn(channels, generator=gen)
+    for b, activation in ((bias, "silu"), (None, None)):
+        want = tree_conv1d_table(x.float(), cache[slots], trees.ancestors, trees.depths, weight,
+                                 b, activation)  # fmt: skip
+        got = tree_conv_fused(x, cache, slots, trees.ancestors, trees.depths, weight, b,
+                              activation, block_c=16)  # fmt: skip
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 if __name__ == "__main__":
+    check_conv(torch.float32, 0)
+    check_conv(torch.bfloat16, 1)
     for seed, (dtype, l2norm) in enumerate(
         [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)]
     ):

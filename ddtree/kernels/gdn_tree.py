@@ -209,3 +209,81 @@ def replay_path_fused(
         path.stride(0),
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
     )  # fmt: skip
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x_ptr, conv_ptr, slots_ptr, ancestors_ptr, depths_ptr, weight_ptr, bias_ptr, out_ptr,
+    n_slots, channels, max_depth,
+    s_xb, s_xn, s_cs, s_cc, s_ct, s_ab, s_an, s_db, s_ob, s_on,
+    W: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    node = tl.program_id(0)
+    req = node // n_slots
+    slot = node % n_slots
+    offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = offs < channels
+    depth = tl.load(depths_ptr + req * s_db + slot)
+    cell = tl.load(slots_ptr + req).to(tl.int64)
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(W):  # lag j: the j-th ancestor, or a cached column past the root
+        on_path = j <= depth
+        at = tl.load(ancestors_ptr + req * s_ab + slot * s_an + tl.minimum(j, max_depth))
+        xv = tl.load(x_ptr + req * s_xb + at * s_xn + offs, mask=mask & on_path, other=0.0)
+        column = tl.maximum(W - 1 - (j - depth), 0)
+        cv = tl.load(conv_ptr + cell * s_cs + offs * s_cc + column * s_ct,
+                     mask=mask & (j > depth), other=0.0)  # fmt: skip
+        weight = tl.load(weight_ptr + offs * W + (W - 1 - j), mask=mask, other=0.0)
+        acc += (xv.to(tl.float32) + cv.to(tl.float32)) * weight.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + req * s_ob + slot * s_on + offs, acc.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+def tree_conv_fused(
+    x: torch.Tensor,
+    conv_cache: torch.Tensor,
+    state_slots: torch.Tensor,
+    ancestors: torch.Tensor,
+    depths: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    *,
+    out: torch.Tensor | None = None,
+    block_c: int = 256,
+) -> torch.Tensor:
+    """The causal depthwise conv of every tree node over its root path, in one launch.
+
+    ``x [b, N, C]`` conv inputs per slot (last dim contiguous); ``conv_cache [S, C, >= W-1]``
+    (any strides: vLLM's conv state, newest column last) read at ``state_slots [b]`` above the
+    root; ``ancestors [b, N, D+1]`` (k-th ancestor, saturating at the root) and ``depths [b, N]``
+    of the tree tables, padding slots at depth 0; ``weight [C, W]``. Returns ``[b, N, C]`` in
+    ``x``'s dtype, accumulated in float32. Torch reference: :func:`ddtree.gdn.tree_conv1d_table`.
+    """
+    check_device(x, conv_cache, state_slots, ancestors, depths, weight)
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    batch, n_slots, channels = x.shape
+    width = weight.shape[1]
+    if x.stride(-1) != 1 or tuple(weight.shape) != (channels, width):
+        raise ValueError("tree_conv_fused: x needs a contiguous last dim and weight [C, W]")
+    weight = weight.contiguous()
+    ancestors, depths = ancestors.contiguous(), depths.contiguous()
+    if out is None:
+        out = torch.empty_like(x)
+    block_c = min(block_c, next_pow2(channels))
+    grid = (batch * n_slots, triton.cdiv(channels, block_c))
+    _tree_conv_kernel[grid](
+        x, conv_cache, state_slots, ancestors, depths, weight,
+        weight if bias is None else bias, out,
+        n_slots, channels, ancestors.shape[2] - 1,
+        x.stride(0), x.stride(1), conv_cache.stride(0), conv_cache.stride(1),
+        conv_cache.stride(2), ancestors.stride(0), ancestors.stride(1), depths.stride(0),
+        out.stride(0), out.stride(1),
+        W=width, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
+    )  # fmt: skip
+    return out

@@ -6,8 +6,8 @@ per draft token; inside a tree that state is a sibling's, and at B nodes the blo
 (``block_table[:, 0]``; ``ddtree.vllm_plugin.gdn.patch_state_allocation`` drops the others)
 and, per GDN layer and step:
 
-* verify: each tree node's conv window over its ancestors (:func:`ddtree.gdn.tree_conv1d_table`)
-  and its root path's recurrence read from the block (:func:`ddtree.kernels.tree_gdn_fused`);
+* verify: each tree node's conv window over its ancestors (``ddtree.kernels.gdn_tree.
+  tree_conv_fused``) and its root path's recurrence read from the block (``tree_gdn_fused``);
   nothing is written to the caches. Rows of requests without a tree (prefill chunks in a mixed
   step) go through vLLM's own path with the tree rows taken out of its metadata;
 * stash: the nodes' conv inputs, ``g`` and ``beta`` in persistent ``[R, 1 + B, ...]`` buffers
@@ -155,7 +155,7 @@ class TreeGDN:
         core_attn_out.index_copy_(0, rows, out)
 
     def _tree_rows(self, layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out) -> None:
-        from ddtree.kernels.gdn_tree import tree_gdn_fused
+        from ddtree.kernels.gdn_tree import tree_conv_fused, tree_gdn_fused
 
         entry = self.layers[layer.prefix]
         tables = self.tables
@@ -171,26 +171,21 @@ class TreeGDN:
         # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
         depths = torch.where(valid, tables.depths[table], 0)  # [R, Q]
         ancestors = torch.where(valid[..., None], tables.ancestors[table], slot[:, None])
-        x = mixed_qkv[:num_tokens][rows]  # [R, Q, C]
+        x = entry.conv_input[:num_reqs]  # [R, Q, C]: the nodes' conv inputs, kept for the commit
+        torch.index_select(mixed_qkv, 0, rows.flatten(), out=x.view(-1, x.shape[-1]))
         g, beta = gdn.gdn_gating(layer.A_log, a[rows], b[rows], layer.dt_bias)  # [R, Q, HV]
+        entry.g[:num_reqs].copy_(g)
+        entry.beta[:num_reqs].copy_(beta)
         conv, ssm = caches(layer)
-        weight = conv_weight(layer)
         cache_slots = state_blocks(entry.block_table, tree >= 0)  # [R]
-        conv_state = conv[cache_slots][..., : weight.shape[1] - 1].float()  # [R, C, W-1]
-        x_conv = (
-            gdn.tree_conv1d_table(
-                x, conv_state, ancestors, depths, weight, layer.conv1d.bias, layer.activation
-            )
-            .to(x.dtype)
-            .contiguous()
-        )
+        x_conv = tree_conv_fused(
+            x, conv, cache_slots, ancestors, depths, conv_weight(layer), layer.conv1d.bias,
+            layer.activation,
+        )  # fmt: skip
         q, k, v = split_qkv(layer, x_conv)
         out = tree_gdn_fused(
             q, k, v, g, beta, ssm, ancestors, depths, state_slots=cache_slots
         )  # [R, Q, HV, V] float32
-        entry.conv_input[:num_reqs].copy_(x)
-        entry.g[:num_reqs].copy_(g)
-        entry.beta[:num_reqs].copy_(beta)
         # Back to token rows (a gather: no two writes to one row).
         token = torch.arange(num_tokens, device=device)
         req = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=num_reqs - 1)
