@@ -10,6 +10,9 @@ bf16 q/k/v, float32 state. For T tokens per request (T = 1 + B tree slots, or a 
 - ``tree_err`` / ``chain_err``: max |out - float64 reference| / RMS(reference) (the tree's
   reference: ``ddtree.gdn.tree_gdn``; the chain's: ``ddtree.gdn.chain_gdn``), at batch 1.
 
+- ``layer_tree_ms`` / ``layer_chain_ms``: a whole GDN layer core per step, as the engines run
+  it (:func:`measure_layer`): DDTree's V2 verify + commit vs vLLM's chain verify.
+
     python benchmarks/gdn_tree.py --out gdn_tree.json
 """
 
@@ -88,8 +91,107 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
     return row
 
 
+def measure_layer(batch: int, tokens: int, seed: int = 0) -> dict:
+    """One GDN layer's core per step, each side as one CUDA graph replay at 27B shapes:
+    ``layer_tree_ms`` = DDTree's V2 verify (``TreeGDN._tree_rows``: gathers, gating, tree conv,
+    tree recurrence, rows back) + its commit after the walk (a 16-deep path replayed);
+    ``layer_chain_ms`` = vLLM's chain verify core (``causal_conv1d_update`` with one conv
+    column per draft, then ``fused_sigmoid_gating_delta_rule_update`` writing every token's
+    state to its own block), as ``QwenGatedDeltaNetAttention._forward_core`` runs it."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+
+    import ddtree
+    from ddtree.vllm_plugin.v2.engine import TreeTables
+    from ddtree.vllm_plugin.v2.gdn import TreeGDN
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cuda = torch.device("cuda")
+
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, device=cuda, generator=gen) * scale).to(dtype)
+
+    width, key, value = 4, HEADS * DIM, HEADS_V * DIM
+    channels, num_tokens = 2 * key + value, batch * tokens
+    depth = 15
+    tables = TreeTables(batch, tokens - 1, depth, cuda)
+    trees = ddtree.build_tree(rand(batch, depth, 5000, dtype=torch.float32, scale=3), tokens - 1)
+    tables.store(torch.arange(batch, device=cuda), trees)
+    tables.tree_rows[:batch] = torch.arange(batch, device=cuda, dtype=torch.int32)
+    blocks = 1 + batch * tokens  # the chain's per-token blocks; DDTree reads blocks 1..batch
+    layer = SimpleNamespace(
+        prefix="layer", conv1d=SimpleNamespace(weight=rand(channels, 1, width, scale=0.3),
+                                               bias=None),
+        activation="silu", A_log=rand(HEADS_V, dtype=torch.float32, scale=0.3),
+        dt_bias=rand(HEADS_V, dtype=torch.float32, scale=0.3), num_v_heads=HEADS_V, tp_size=1,
+        key_dim=key, value_dim=value, head_k_dim=DIM, head_v_dim=DIM,
+        kv_cache=[rand(blocks, width - 1, channels),
+                  rand(blocks, HEADS_V, DIM, DIM, dtype=torch.float32, scale=0.1)],
+    )  # fmt: skip
+    trees_gdn = TreeGDN(tables, [layer])
+    qsl = torch.arange(0, num_tokens + 1, tokens, device=cuda, dtype=torch.int32)
+    trees_gdn.query_start_loc = qsl
+    trees_gdn.layers["layer"].block_table = torch.arange(
+        1, batch + 1, device=cuda, dtype=torch.int32
+    )[:, None]
+    mixed_qkv = rand(num_tokens, channels)
+    a, b = rand(num_tokens, HEADS_V), rand(num_tokens, HEADS_V)
+    out = torch.zeros(num_tokens, HEADS_V, DIM, device=cuda, dtype=torch.bfloat16)
+    node = trees.depths.argmax(1)  # a deepest node per request, its root path accepted
+    rows = torch.arange(batch, device=cuda)
+    up, deep = trees.ancestors[rows, node], trees.depths[rows, node][:, None]
+    step = torch.arange(up.shape[1], device=cuda)
+    path = torch.where(step <= deep, up.gather(1, (deep - step).clamp(min=0)), -1)
+    active = torch.ones(batch, dtype=torch.bool, device=cuda)
+
+    def tree():
+        trees_gdn._tree_rows(layer, num_tokens, batch, mixed_qkv, b, a, out)
+        trees_gdn.commit(path, active)
+
+    # vLLM's chain: conv state of W - 1 + drafts columns, a state block per token.
+    conv_chain = rand(blocks, width - 1 + tokens - 1, channels).transpose(1, 2)
+    ssm_chain = layer.kv_cache[1]
+    spec_blocks = torch.arange(1, blocks, device=cuda, dtype=torch.int32).view(batch, tokens)
+    accepted = torch.ones(batch, dtype=torch.int32, device=cuda)
+    weight = layer.conv1d.weight.view(channels, width)
+
+    def chain():
+        x = causal_conv1d_update(
+            mixed_qkv, conv_chain, weight, None, "silu", conv_state_indices=spec_blocks[:, 0],
+            num_accepted_tokens=accepted, query_start_loc=qsl, max_query_len=tokens,
+        )  # fmt: skip
+        q, k, v = (t.reshape(1, num_tokens, -1, DIM) for t in x.split([key, key, value], -1))
+        fused_sigmoid_gating_delta_rule_update(
+            A_log=layer.A_log, a=a, b=b, dt_bias=layer.dt_bias, q=q, k=k, v=v,
+            initial_state=ssm_chain, inplace_final_state=True, cu_seqlens=qsl,
+            ssm_state_indices=spec_blocks, num_accepted_tokens=accepted,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+    row = {"batch": batch, "tokens": tokens}
+    for name, fn in (("layer_tree_ms", tree), ("layer_chain_ms", chain)):
+        try:
+            fn()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            row[name] = timed(graph.replay, "cuda", 20) * 1e3
+        except Exception as err:  # noqa: BLE001 - one failed side must not hide the other
+            row[name] = None
+            row[name.replace("_ms", "_error")] = f"{type(err).__name__}: {err}"[:300]
+    return row
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
+
+
+def _ms(x: float | None) -> str:
+    return "failed" if x is None else f"{x:.3f}"
 
 
 def main() -> int:
@@ -99,18 +201,24 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = [
-        measure(b, t)
+        {**measure(b, t), **measure_layer(b, t)}
         for b in (int(x) for x in args.batches.split(","))
         for t in (int(x) for x in args.tokens.split(","))
     ]
     print(
-        "| batch | T | tree ms | chain ms | tree err | chain err |\n|---:|---:|---:|---:|---:|---:|"
+        "| batch | T | tree ms | chain ms | tree err | chain err | layer: DDTree verify+commit "
+        "ms | layer: chain verify ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for r in rows:
         print(
             f"| {r['batch']} | {r['tokens']} | {r['tree_ms']:.3f} | {r['chain_ms']:.3f} | "
-            f"{_fmt(r['tree_err'])} | {_fmt(r['chain_err'])} |"
+            f"{_fmt(r['tree_err'])} | {_fmt(r['chain_err'])} | {_ms(r['layer_tree_ms'])} | "
+            f"{_ms(r['layer_chain_ms'])} |"
         )
+    for r in rows:
+        for key in ("layer_tree_error", "layer_chain_error"):
+            if key in r:
+                print(f"batch {r['batch']} T {r['tokens']} {key}: {r[key]}")
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
