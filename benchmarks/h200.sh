@@ -9,7 +9,7 @@
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~20 min:
 #                                    # 3 repeats per point since a171101; detach it)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min)
-#   bash benchmarks/h200.sh gdn      # tree GDN kernel vs vLLM's chain kernel, 27B shapes (~2 min)
+#   bash benchmarks/h200.sh gdn      # tree GDN kernel and whole layer vs the chain, 27B (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each
@@ -84,7 +84,7 @@ profile)  # torch.profiler over in-process engines (kernels per step): DDTree be
   done
   ;;
 gdn)  # tree GDN kernel vs vLLM's chain kernel, Qwen3.6-27B GDN shapes (issue 21)
-  timeout 300 python3 benchmarks/gdn_tree.py --out "$OUT/gdn_tree.json" > "$OUT/gdn_tree.txt" 2>&1
+  timeout 420 python3 benchmarks/gdn_tree.py --out "$OUT/gdn_tree.json" > "$OUT/gdn_tree.txt" 2>&1
   tail -16 "$OUT/gdn_tree.txt"
   ;;
 tree)
