@@ -10,7 +10,8 @@ with tree verifies). Every engine is its own process and they run side by side o
     python benchmarks/vllm_gpu_equality.py --out DIR        # all cases, then the comparison
     python benchmarks/vllm_gpu_equality.py --case pair_ddtree_64 --out DIR   # one engine
 
-Writes DIR/<case>.json, DIR/<case>.log and DIR/summary.json.
+Writes DIR/<case>.json, DIR/<case>.log and DIR/summary.json. Off the GPU (vLLM's CPU build,
+``--dtype float32``, eager engines, the V1 runner) it is a dry run of the cases themselves.
 """
 
 from __future__ import annotations
@@ -198,6 +199,10 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         if method.startswith("ddtreeauto_"):
             os.environ["DDTREE_TUNE_EVERY"] = "4"
             spec["ddtree_budget_per_batch_size"] = "auto"
+    import torch
+
+    if not torch.cuda.is_available():  # a CPU dry run of the script (--dtype float32)
+        extra["enforce_eager"] = True
     if kind == "hybrid":  # text only: the vision tower is never run
         extra["language_model_only"] = True
     if kind == "pairpen":
