@@ -491,6 +491,26 @@ def check_gdn(device: str = "cpu") -> None:
             assert torch.equal(conv[block], conv_before[block]), block
 
     check_blocks()
+
+    # forward(): the dispatch vLLM's op calls (forward context patched): mixed step -> both
+    # halves, as above; no tree in the step -> vLLM's body over every row.
+    import vllm.forward_context as fc
+
+    conv.copy_(conv_before)
+    ssm.copy_(ssm_before)
+    saved = fc.get_forward_context
+    fc.get_forward_context = lambda: context
+    try:
+        trees_gdn.num_reqs = num_reqs
+        dispatched = torch.full_like(core_attn_out, 7.0)
+        trees_gdn.forward(layer, vllm_path, *inputs, dispatched)
+        torch.testing.assert_close(dispatched.cpu(), got, atol=0, rtol=0)
+        seen = []
+        context.attn_metadata = {layer.prefix: SimpleNamespace(spec_sequence_masks=None)}
+        trees_gdn.forward(layer, lambda *args: seen.append(args[0].shape[0]), *inputs, dispatched)
+        assert seen == [num_tokens]
+    finally:
+        fc.get_forward_context = saved
     if device != "cuda":
         return
     # The same steps as graph replays (fixed shapes, no host read): equal outputs and blocks.
