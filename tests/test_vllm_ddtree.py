@@ -44,8 +44,9 @@ def _counts(llm):
 
 @pytest.fixture(scope="module")
 def no_spec():
-    """No-spec TP=1: (greedy outputs, T=1 token counts)."""
-    with engine() as llm:
+    """No-spec TP=1: (greedy outputs, T=1 token counts). Up to 16 requests at once: the 4 greedy
+    requests run together as in the 4-request DDTree engines, the samples 16 at a time."""
+    with engine(max_num_seqs=16) as llm:
         return greedy(llm), _counts(llm)
 
 

@@ -53,7 +53,7 @@ def _counts(llm):
 
 @pytest.fixture(scope="module")
 def no_spec(pair):
-    with _engine(pair) as llm:
+    with _engine(pair, max_num_seqs=16) as llm:  # the samples 16 at a time
         return greedy(llm, PROMPTS), _counts(llm), _to_context_end(llm)
 
 
@@ -120,7 +120,7 @@ def test_sampling_ddtree_matches_no_spec(pair, no_spec):
     """T=1: the generated token at a tree node has no-spec's distribution (chi-square)."""
     _, want, _ = no_spec
     _, drafter = pair
-    with _engine(pair, ddtree_spec(64, drafter, ddtree_chain_seed=False)) as llm:
+    with _engine(pair, ddtree_spec(64, drafter, ddtree_chain_seed=False), max_num_seqs=16) as llm:
         got = _counts(llm)
     assert_same_distribution(got, want)
 

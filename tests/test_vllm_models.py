@@ -19,6 +19,7 @@ def _engine(target_dir, spec):
         skip_tokenizer_init=True,
         max_model_len=512,
         max_num_batched_tokens=1024,
+        max_num_seqs=16,  # the 600 samples 16 at a time
     )
 
 

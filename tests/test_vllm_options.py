@@ -106,7 +106,8 @@ def runs():
     would be the chain and per-node histories and grammar states the chain's)."""
     results = []
     for spec in (None, ddtree_spec(15, ddtree_chain_seed=False)):
-        with engine(spec=spec, disable_log_stats=False) as llm:
+        # 16 at once: the 12 cases in one batch in both engines, the samples 16 at a time
+        with engine(spec=spec, disable_log_stats=False, max_num_seqs=16) as llm:
             plain = _generate(llm, [(i, {}) for i, _ in CASES])
             optioned = _generate(llm, CASES)
             counts = {name: _counts(llm, **kw) for name, kw in DISTRIBUTIONS.items()}
