@@ -409,3 +409,60 @@ def test_v2_drafts_reach_the_scheduler_with_their_parents():
     assert got.req_ids == ["a", "b"] and got.draft_token_ids == drafts.draft_token_ids
     assert got.ddtree_parents == {"a": [0, 0, 1], "b": [0, 1, 2]}
     assert root_paths(got.draft_token_ids[0], got.ddtree_parents["a"]) == [[5], [6], [5, 7]]
+
+
+def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
+    """The scheduler's bitmask for a tree: row 0 from the request's state, row s from the state
+    after draft s's root path, the full mask where the grammar rejects that path; the grammar is
+    left where it was, and never asked to accept a token it rejects (vLLM's backends log an
+    ERROR for each)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddtree.vllm_plugin.v1.grammar import tree_grammar_bitmask
+
+    class Grammar:  # accepts the token sequences in ``valid`` (prefix-closed)
+        def __init__(self, valid):
+            self.valid, self.seq, self.rejected = valid, [], []
+
+        def is_terminated(self):
+            return False
+
+        def validate_tokens(self, tokens):
+            out = []
+            for t in tokens:
+                if tuple(self.seq + out + [t]) not in self.valid:
+                    break
+                out.append(t)
+            return out
+
+        def accept_tokens(self, request_id, tokens):
+            for t in tokens:
+                if tuple(self.seq + [t]) not in self.valid:
+                    self.rejected.append(t)
+                    return False
+                self.seq.append(t)
+            return True
+
+        def rollback(self, n):
+            del self.seq[len(self.seq) - n :]
+
+    class Manager:
+        _grammar_bitmask = torch.zeros(8, dtype=torch.long)
+
+        def should_fill_bitmask(self, request):
+            return True
+
+        def _fill_bitmasks(self, batch):
+            for grammar, index, apply in batch:  # the state, encoded; -1: the full mask
+                state = len(grammar.seq) * 100 + (grammar.seq[-1] if grammar.seq else 0)
+                self._grammar_bitmask[index] = state if apply else -1
+
+    grammar = Grammar({(), (5,), (6,), (5, 7)})
+    requests = {"r": SimpleNamespace(structured_output_request=SimpleNamespace(grammar=grammar))}
+    # drafts 5, 6, 7, 8 with parents root, root, draft 1, draft 3: paths [5] [6] [5 7] [5 7 8]
+    rows = tree_grammar_bitmask(Manager(), requests, ["r"], {"r": [5, 6, 7, 8]},
+                                {"r": [0, 0, 1, 3]})  # fmt: skip
+    assert rows.tolist() == [0, 105, 106, 207, -1]
+    assert grammar.rejected == [] and grammar.seq == []

@@ -69,14 +69,14 @@ def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_paren
                     f"request {req_id}"
                 )
             for slot, path in enumerate(root_paths(drafts, parents), start=1):
-                advanced = 0
-                for token in path:
-                    if grammar.is_terminated() or not grammar.accept_tokens(req_id, [token]):
-                        break
-                    advanced += 1
-                valid = advanced == len(path)
+                # validate_tokens first: accept_tokens logs an ERROR ("Failed to advance FSM")
+                # for every token it rejects, and a tree holds many nodes the grammar rejects.
+                accepted = [] if grammar.is_terminated() else grammar.validate_tokens(path)
+                valid = len(accepted) == len(path)
+                if valid:
+                    grammar.accept_tokens(req_id, path)
                 manager._fill_bitmasks(((grammar, row + slot, apply and valid),))
-                if advanced:
-                    grammar.rollback(advanced)
+                if valid:
+                    grammar.rollback(len(path))
         row += 1 + len(drafts)
     return manager._grammar_bitmask[:row].numpy()
