@@ -106,6 +106,11 @@ bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFla
   done
   tar czf "$OUT/bench_27b.tgz" -C /tmp/bench_27b --exclude=models .
   ;;
+newtests)  # the GPU tests of this session's pieces: V2 GDN glue + graph, penalties vs vLLM
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 \
+    tests/test_gpu_gdn.py tests/test_gpu_penalties.py > "$OUT/newtests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/newtests.txt" | tail -12
+  ;;
 pair)
   timeout 700 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
