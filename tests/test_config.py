@@ -1,6 +1,8 @@
 """DDTree's configuration in vLLM: options parsed and refused with clear errors, the
 environment settings, CUDA settings per runner, start-up refusals that need no engine."""
 
+import os
+
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -365,7 +367,9 @@ def test_hybrid_targets_refused_on_cudas_v1_runner_and_with_prefix_caching(monke
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     check_hybrid(args, dense)
-    check_hybrid(args, hybrid)  # the V2 runner (CUDA's default)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    check_hybrid(args, hybrid)  # vLLM would give a hybrid its V1 runner: V2 is asked for
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     check_hybrid(args, dense)
     with pytest.raises(NotImplementedError, match="V2 model runner only"):

@@ -327,12 +327,18 @@ def check_hybrid(args, target_model_config) -> None:
     if not target_model_config.is_hybrid:
         return
     arch = target_model_config.architecture
-    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("0", "false")
-    if current_platform.is_cuda() and not v2:
-        raise NotImplementedError(
-            f"ddtree on a hybrid target ({arch}: linear-attention layers) runs on CUDA's V2 "
-            "model runner only: unset VLLM_USE_V2_MODEL_RUNNER=0"
-        )
+    chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if current_platform.is_cuda():
+        if chosen in ("0", "false"):
+            raise NotImplementedError(
+                f"ddtree on a hybrid target ({arch}: linear-attention layers) runs on CUDA's V2 "
+                "model runner only: unset VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        if not chosen:
+            # vLLM 0.26 gives hybrid targets its V1 runner by default (and forces V2 only for
+            # DFlash drafters that mix sliding and full attention): DDTree's GDN path is V2's.
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            log.info("ddtree: hybrid target %s: VLLM_USE_V2_MODEL_RUNNER=1", arch)
     if args.enable_prefix_caching:
         raise ValueError(
             f"ddtree on a hybrid target ({arch}) needs prefix caching off (drop "

@@ -48,9 +48,11 @@ def _tree_bad_words_kernel(
                 node = tl.load(
                     ancestors_ptr + state * ancestors_stride0 + slot * ancestors_stride1 + k
                 )
-                actual = tl.load(tokens_ptr + state * tokens_stride + node)
+                actual = tl.load(tokens_ptr + state * tokens_stride + node).to(tl.int64)
             else:
-                actual = tl.load(all_tokens_ptr + state * all_tokens_stride + prompt_len + at)
+                actual = tl.load(all_tokens_ptr + state * all_tokens_stride + prompt_len + at).to(
+                    tl.int64
+                )
             match = match & (actual == tl.load(words_ptr + state * words_stride + first + i))
         if match:
             banned = tl.load(words_ptr + state * words_stride + last)
