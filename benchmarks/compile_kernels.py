@@ -160,31 +160,84 @@ def main() -> None:
             4, args.arch,
         )  # fmt: skip
 
-    for dtype in args.dtypes.split(","):  # tree GDN at Qwen3.6-27B shapes (K = V = 128)
-        ints = ("n_slots", "heads_v", "ratio", "dim_v", *(f"s_{x}" for x in (
-            "qb", "qn", "qh", "kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn",
-            "sb", "sh", "sv", "ab", "an", "db", "ob", "on", "oh")))  # fmt: skip
+    for dtype in args.dtypes.split(","):
+        gdn_kernels(dtype, args.arch)
+    v2_glue_kernels(args.arch)
+
+
+def gdn_kernels(dtype: str, arch: int) -> None:
+    """The tree GDN kernels (recurrence, path replay, conv) at Qwen3.6-27B shapes (K = V = 128)."""
+    ints = ("n_slots", "heads_v", "ratio", "dim_v", *(f"s_{x}" for x in (
+        "qb", "qn", "qh", "kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn",
+        "sb", "sh", "sv", "ab", "an", "db", "ob", "on", "oh")))  # fmt: skip
+    compile_one(
+        f"gdn._tree_gdn_kernel K=128 BV=32 {dtype}",
+        gdn_tree._tree_gdn_kernel,
+        {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+         "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64",
+         "ancestors_ptr": "*i64", "depths_ptr": "*i64", "out_ptr": "*fp32",
+         **{name: "i32" for name in ints}, "scale": "fp32", "eps": "fp32"},
+        {"K": 128, "BK": 128, "BV": 32, "L2NORM": True, "SLOTS": True},
+        4, arch,
+    )  # fmt: skip
+    conv_ints = ("n_slots", "channels", "max_depth", *(f"s_{x}" for x in (
+        "xb", "xn", "cs", "cc", "ct", "ab", "an", "db", "ob", "on")))  # fmt: skip
+    compile_one(
+        f"gdn._tree_conv_kernel W=4 BC=256 {dtype}",
+        gdn_tree._tree_conv_kernel,
+        {"x_ptr": f"*{dtype}", "conv_ptr": f"*{dtype}", "slots_ptr": "*i64",
+         "ancestors_ptr": "*i64", "depths_ptr": "*i64", "weight_ptr": f"*{dtype}",
+         "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+         **{name: "i32" for name in conv_ints}},
+        {"W": 4, "BC": 256, "HAS_BIAS": False, "SILU": True},
+        4, arch,
+    )  # fmt: skip
+    strides = [f"s_{x}" for x in ("kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn", "ss", "sh",
+                                   "sv", "pb")]  # fmt: skip
+    compile_one(
+        f"gdn._replay_path_kernel K=128 BV=32 {dtype}",
+        gdn_tree._replay_path_kernel,
+        {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+         "state_ptr": "*fp32", "slots_ptr": "*i64", "path_ptr": "*i64",
+         **{name: "i32" for name in ("path_len", "ratio", "dim_v", *strides)},
+         "eps": "fp32"},
+        {"K": 128, "BK": 128, "BV": 32, "L2NORM": True},
+        4, arch,
+    )  # fmt: skip
+
+
+def v2_glue_kernels(arch: int) -> None:
+    """The V2 runner glue's kernels, with the dtypes vLLM 0.26's V2 buffers have (request
+    indices and token ids int32, tree tokens int64, tree tables int32)."""
+    from ddtree.vllm_plugin.v2 import bad_words, kernels, penalties
+
+    tree = {"tokens_ptr": "*i64", "tokens_stride": "i32", "ancestors_ptr": "*i32",
+            "ancestors_stride0": "i32", "ancestors_stride1": "i32", "depths_ptr": "*i32",
+            "depths_stride": "i32"}  # fmt: skip
+    rows = {"logits_ptr": "*fp32", "logits_stride": "i32", "state_of_row_ptr": "*i32",
+            "slot_of_row_ptr": "*i32"}  # fmt: skip
+    compile_one(
+        "v2._tree_bad_words_kernel", bad_words._tree_bad_words_kernel,
+        {**rows, "words_ptr": "*i32", "words_stride": "i32", "offsets_ptr": "*i32",
+         "offsets_stride": "i32", "num_words_ptr": "*i32", "all_tokens_ptr": "*i32",
+         "all_tokens_stride": "i32", "prompt_len_ptr": "*i32", "total_len_ptr": "*i32", **tree},
+        {}, 4, arch,
+    )  # fmt: skip
+    compile_one(
+        "v2._tree_penalties_kernel BLOCK=8192", penalties._tree_penalties_kernel,
+        {**rows, "repetition_ptr": "*fp32", "frequency_ptr": "*fp32", "presence_ptr": "*fp32",
+         "prompt_bits_ptr": "*i32", "prompt_bits_stride": "i32", "counts_ptr": "*i32",
+         "counts_stride": "i32", **tree, "vocab": "i32"},
+        {"BLOCK": 8192}, 8, arch,
+    )  # fmt: skip
+    for find, at_depth in ((True, True), (False, False), (False, True)):
         compile_one(
-            f"gdn._tree_gdn_kernel K=128 BV=32 {dtype}",
-            gdn_tree._tree_gdn_kernel,
-            {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-             "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32",
-             "ancestors_ptr": "*i64", "depths_ptr": "*i64", "out_ptr": "*fp32",
-             **{name: "i32" for name in ints}, "scale": "fp32", "eps": "fp32"},
-            {"K": 128, "BK": 128, "BV": 32, "L2NORM": True},
-            4, args.arch,
-        )  # fmt: skip
-        strides = [f"s_{x}" for x in ("kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn", "ss", "sh",
-                                       "sv", "pb")]  # fmt: skip
-        compile_one(
-            f"gdn._replay_path_kernel K=128 BV=32 {dtype}",
-            gdn_tree._replay_path_kernel,
-            {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
-             "state_ptr": "*fp32", "slots_ptr": "*i64", "path_ptr": "*i64",
-             **{name: "i32" for name in ("path_len", "ratio", "dim_v", *strides)},
-             "eps": "fp32"},
-            {"K": 128, "BK": 128, "BV": 32, "L2NORM": True},
-            4, args.arch,
+            f"v2._tree_positions_kernel find={find} depth={at_depth}",
+            kernels._tree_positions_kernel,
+            {"tree_rows_ptr": "*i32", "positions_ptr": "*i64", "qsl_ptr": "*i32",
+             "cu_logits_ptr": "*i32", "idx_mapping_ptr": "*i32", "depths_ptr": "*i32",
+             "depths_stride": "i32", "num_reqs": "i32"},
+            {"FIND_TREES": find, "AT_DEPTH": at_depth, "BLOCK": 128}, 4, arch,
         )  # fmt: skip
 
 
