@@ -234,8 +234,7 @@ def tree_conv1d(
     the ancestor table, as a kernel would. Returns ``[b, N, C]``.
     """
     check_parents(parents)
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    check_activation(activation)
     width = weight.shape[1]
     if conv_state.shape[-1] != width - 1:
         raise ValueError(f"conv_state must hold W-1 = {width - 1} columns, got {conv_state.shape}")
@@ -245,14 +244,7 @@ def tree_conv1d(
     # Rows of [conv_state columns (W-1), x slots (N)]: ancestor j of slot i is row W-1 + a_j;
     # past the root (j > depth d) it is cached column W-1 - (j - d).
     rows = torch.where(ancestors >= 0, width - 1 + ancestors, width - 1 - (lag - depth_in_window))
-    history = torch.cat([conv_state.transpose(1, 2), x.to(conv_state.dtype)], 1)  # [b, W-1+N, C]
-    batch, n_slots = parents.shape
-    windows = history[torch.arange(batch, device=x.device)[:, None, None], rows]  # [b, N, W(j), C]
-    # weight[:, W-1] multiplies the current input (j = 0): flip the lag axis.
-    out = torch.einsum("bnjc,cj->bnc", windows, weight.flip(1).to(history.dtype))
-    if bias is not None:
-        out = out + bias.to(out.dtype)
-    return F.silu(out) if activation is not None else out
+    return _conv_over_rows(x, conv_state, rows, weight, bias, activation)
 
 
 def tree_conv1d_table(
@@ -274,13 +266,38 @@ def tree_conv1d_table(
     up = ancestors.long().gather(2, lag.clamp(max=ancestors.shape[2] - 1).expand(
         *ancestors.shape[:2], width))  # fmt: skip
     rows = torch.where(lag <= depth, width - 1 + up, width - 1 - (lag - depth))  # [b, N, W]
+    return _conv_over_rows(x, conv_state, rows, weight, bias, activation)
+
+
+def check_activation(activation: str | None) -> None:
+    """The conv activations vLLM's GDN layers use."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+
+
+def _conv_over_rows(x, conv_state, rows, weight, bias, activation) -> torch.Tensor:
+    """The conv of every slot over its window ``rows [b, N, W]`` (lag j = 0 first) of the
+    history ``[conv_state columns (W-1), x slots (N)]``. Returns ``[b, N, C]``."""
     history = torch.cat([conv_state.transpose(1, 2), x.to(conv_state.dtype)], 1)  # [b, W-1+N, C]
-    batch, n_slots = depths.shape
+    batch = rows.shape[0]
     windows = history[torch.arange(batch, device=x.device)[:, None, None], rows]  # [b, N, W, C]
+    # weight[:, W-1] multiplies the current input (j = 0): flip the lag axis.
     out = torch.einsum("bnjc,cj->bnc", windows, weight.flip(1).to(history.dtype))
     if bias is not None:
         out = out + bias.to(out.dtype)
     return F.silu(out) if activation is not None else out
+
+
+def _conv_state_after(
+    conv_state: torch.Tensor, path_inputs: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``history [b, C, W-1+L]`` = the cached columns ``conv_state [b, C, W-1]`` then the path's
+    inputs ``path_inputs [b, L, C]``, and the conv state after ``lengths [b]`` path nodes: its
+    columns ``len .. len + W-2``."""
+    window = conv_state.shape[-1]
+    history = torch.cat([conv_state, path_inputs.to(conv_state.dtype).transpose(1, 2)], -1)
+    columns = lengths.long()[:, None] + torch.arange(window, device=history.device)  # [b, W-1]
+    return history, history.gather(2, columns[:, None].expand(-1, history.shape[1], -1))
 
 
 def path_conv1d(
@@ -297,15 +314,11 @@ def path_conv1d(
     ``lengths [b]`` are ignored); ``conv_state [b, C, W-1]`` before the root. Returns the conv
     outputs ``[b, L, C]`` (what the tree verify computed at those nodes) and the conv state
     after the path ``[b, C, W-1]`` (the last ``W-1`` inputs). Fixed shapes, no host read."""
-    window = conv_state.shape[-1]
-    history = torch.cat([conv_state, path_inputs.to(conv_state.dtype).transpose(1, 2)], -1)
-    channels = history.shape[1]
-    out = F.conv1d(history, weight[:, None, :].to(history.dtype), groups=channels)  # [b, C, L]
+    history, new_state = _conv_state_after(conv_state, path_inputs, lengths)
+    out = F.conv1d(history, weight[:, None, :].to(history.dtype), groups=history.shape[1])
     if bias is not None:
         out = out + bias.to(out.dtype)[:, None]
-    out = F.silu(out) if activation is not None else out
-    columns = lengths.long()[:, None] + torch.arange(window, device=history.device)  # [b, W-1]
-    new_state = history.gather(2, columns[:, None].expand(-1, channels, -1))
+    out = F.silu(out) if activation is not None else out  # [b, C, L]
     return out.transpose(1, 2), new_state
 
 
@@ -358,12 +371,7 @@ def replay_path(
     for t in range(path.shape[1]):
         _, after = _step(state, k[:, t], v[:, t], g[:, t], beta[:, t], None)
         state = torch.where((t < lengths)[:, None, None, None], after, state)
-    # The last W-1 inputs of [cached columns, path inputs]: columns len .. len + W-2.
-    window = conv_state.shape[-1]
-    path_inputs = stash.conv_input[rows, slots].to(conv_state.dtype).transpose(1, 2)  # [b, C, L]
-    history = torch.cat([conv_state, path_inputs], -1)  # [b, C, W-1+L]
-    columns = lengths[:, None] + torch.arange(window, device=path.device)  # [b, W-1]
-    new_conv_state = history.gather(2, columns[:, None].expand(-1, history.shape[1], -1))
+    _, new_conv_state = _conv_state_after(conv_state, stash.conv_input[rows, slots], lengths)
     return state, new_conv_state
 
 

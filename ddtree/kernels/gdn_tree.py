@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.gdn import check_activation
 from ddtree.kernels._common import next_pow2
 from ddtree.kernels.build import check_device
 
@@ -265,8 +266,7 @@ def tree_conv_fused(
     ``x``'s dtype, accumulated in float32. Torch reference: :func:`ddtree.gdn.tree_conv1d_table`.
     """
     check_device(x, conv_cache, state_slots, ancestors, depths, weight)
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    check_activation(activation)
     batch, n_slots, channels = x.shape
     width = weight.shape[1]
     if x.stride(-1) != 1 or tuple(weight.shape) != (channels, width):

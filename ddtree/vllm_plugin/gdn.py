@@ -143,16 +143,20 @@ def conv_weight(layer) -> torch.Tensor:
     return weight.reshape(weight.shape[0], weight.shape[-1])
 
 
-def caches(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(conv [slots, C, state_len], ssm [slots, HV, K, V])`` views of the layer's caches."""
+def conv_cache(layer) -> torch.Tensor:
+    """``[slots, C, state_len]`` view of the layer's conv cache (either of vLLM's layouts)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     conv = layer.kv_cache[0]
-    if not is_conv_state_dim_first():
-        conv = conv.transpose(-1, -2)
+    return conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
+
+
+def caches(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(conv [slots, C, state_len], ssm [slots, HV, K, V])`` views of the layer's caches as
+    vLLM's CPU kernels read them."""
     ssm = layer.kv_cache[1]
     slots, heads, dim_v, dim_k = ssm.shape
-    return conv, ssm.view(slots, heads, dim_k, dim_v)
+    return conv_cache(layer), ssm.view(slots, heads, dim_k, dim_v)
 
 
 def gdn_core(layer, md, mixed_qkv, b, a, core_attn_out, engine) -> None:

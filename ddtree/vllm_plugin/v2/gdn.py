@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ddtree import gdn
+from ddtree.vllm_plugin.gdn import conv_cache, conv_weight
 from ddtree.vllm_plugin.v2.engine import TreeTables
 
 log = logging.getLogger("vllm.ddtree")
@@ -238,19 +239,9 @@ def state_blocks(block_table: torch.Tensor, has_tree: torch.Tensor) -> torch.Ten
 
 
 def caches(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(conv [S, C, state_len], ssm [S, HV, V, K])`` views of a layer's CUDA caches."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    conv = layer.kv_cache[0]
-    if not is_conv_state_dim_first():
-        conv = conv.transpose(-1, -2)
-    return conv, layer.kv_cache[1]
-
-
-def conv_weight(layer) -> torch.Tensor:
-    """``[C, W]`` (vLLM stores ``[C, 1, W]``)."""
-    weight = layer.conv1d.weight
-    return weight.view(weight.shape[0], weight.shape[-1])
+    """``(conv [S, C, state_len], ssm [S, HV, V, K])`` views of a layer's CUDA caches (the ssm
+    cache as vLLM's CUDA kernels read it)."""
+    return conv_cache(layer), layer.kv_cache[1]
 
 
 def split_qkv(layer, x_conv: torch.Tensor):
