@@ -470,3 +470,91 @@ def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
                                 {"r": [0, 0, 1, 3]})  # fmt: skip
     assert rows.tolist() == [0, 105, 106, 207, -1]
     assert grammar.rejected == [] and grammar.seq == []
+
+
+def test_async_scheduling_drafts_reach_the_grammar_whole_with_their_parents():
+    """With async scheduling vLLM hands a structured-output step's drafts to
+    ``Scheduler.update_draft_token_ids_in_output``: for DDTree the tree nodes stay whole (vLLM
+    would pad the drafts after the first one its grammar rejects as a chain with -1) and their
+    parents reach the bitmask; a non-DDTree scheduler keeps vLLM's chain check."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from ddtree.vllm_plugin import patches
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.v1.grammar import TreeDraftTokenIds
+
+    patches.register()
+
+    class Grammar:  # accepts only token 5 first: as a chain, [5, 6, 7] keeps 5
+        def validate_tokens(self, tokens):
+            return tokens[:1] if tokens[:1] == [5] else []
+
+    def scheduler(options):
+        request = SimpleNamespace(
+            is_finished=lambda: False,
+            structured_output_request=SimpleNamespace(grammar=Grammar()),
+        )
+
+        class Manager:  # vLLM's: should_advance is a method, the patch shadows it per call
+            def should_advance(self, request):
+                return True
+
+        manager = Manager()
+        spec = SimpleNamespace(ddtree=options) if options else None
+        return SimpleNamespace(
+            requests={"r": request},
+            structured_output_manager=manager,
+            vllm_config=SimpleNamespace(speculative_config=spec),
+        )
+
+    def deferred_output():
+        return SimpleNamespace(scheduled_spec_decode_tokens={"r": [-1, -1, -1]})
+
+    drafts = TreeDraftTokenIds(["r"], [[5, 6, 7, 8]], {"r": [0, 0, 1, 3]})
+    options = DDTreeOptions(3)
+    sched, out = scheduler(options), deferred_output()
+    Scheduler.update_draft_token_ids_in_output(sched, drafts, out)
+    assert out.scheduled_spec_decode_tokens == {"r": [5, 6, 7]}  # trimmed to 3, not cut
+    assert out.num_invalid_spec_tokens == {}
+    assert options.tree_parents == {"r": [0, 0, 1, 3]}
+    assert sched.structured_output_manager.should_advance(None)  # restored after the call
+
+    drafts = TreeDraftTokenIds(["r"], [[5, 6, 7]], {})
+    sched, out = scheduler(None), deferred_output()
+    Scheduler.update_draft_token_ids_in_output(sched, drafts, out)
+    assert out.scheduled_spec_decode_tokens == {"r": [5, -1, -1]}  # vLLM's chain check
+
+
+def test_tree_grammar_bitmask_leaves_placeholder_drafts_unmasked():
+    """Drafts the scheduler never learned (async placeholders, -1) get rows without a mask,
+    as vLLM leaves them; real drafts without a tree shape are an error naming the request."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddtree.vllm_plugin.v1.grammar import tree_grammar_bitmask
+
+    class Grammar:
+        def is_terminated(self):
+            return False
+
+        def validate_tokens(self, tokens):
+            raise AssertionError("a placeholder reached the grammar")
+
+    class Manager:
+        _grammar_bitmask = torch.zeros(4, dtype=torch.long)
+
+        def should_fill_bitmask(self, request):
+            return True
+
+        def _fill_bitmasks(self, batch):
+            for _grammar, index, apply in batch:
+                self._grammar_bitmask[index] = 1 if apply else -1
+
+    requests = {"r": SimpleNamespace(structured_output_request=SimpleNamespace(grammar=Grammar()))}
+    rows = tree_grammar_bitmask(Manager(), requests, ["r"], {"r": [-1, -1, -1]}, {})
+    assert rows.tolist() == [1, -1, -1, -1]
+    with pytest.raises(RuntimeError, match="no tree shape reached the scheduler.*request r"):
+        tree_grammar_bitmask(Manager(), requests, ["r"], {"r": [5, -1, -1]}, {})

@@ -114,20 +114,26 @@ def _patch_scheduler() -> None:
             if options.auto_budget:
                 _share_lookup(self, vllm_config, options)
 
-    @wrap(Scheduler, "update_draft_token_ids")
-    def update_draft_token_ids(original, self, draft_token_ids):
+    def take_tree_drafts(original, self, draft_token_ids, *args):
         # vLLM cuts a structured-output request's drafts at the first one its grammar rejects
-        # as a chain; tree nodes are kept whole (v1/grammar.py says why that is safe).
+        # as a chain; tree nodes are kept whole (v1/grammar.py says why that is safe), and
+        # their parents kept for the grammar bitmask.
         manager = self.structured_output_manager
         options = options_of(self.vllm_config.speculative_config)
         if options is None:
-            return original(self, draft_token_ids)
+            return original(self, draft_token_ids, *args)
         options.tree_parents = dict(getattr(draft_token_ids, "ddtree_parents", {}))
         manager.should_advance = lambda request: False  # this call only
         try:
-            return original(self, draft_token_ids)
+            return original(self, draft_token_ids, *args)
         finally:
             del manager.should_advance
+
+    # Sync scheduling hands the drafts over after the step (``update_draft_token_ids``); async
+    # scheduling defers a structured-output step's sampling until the previous step's drafts
+    # are in and writes them into that step's output (``update_draft_token_ids_in_output``).
+    wrap(Scheduler, "update_draft_token_ids")(take_tree_drafts)
+    wrap(Scheduler, "update_draft_token_ids_in_output")(take_tree_drafts)
 
     from vllm.v1.structured_output import StructuredOutputManager
 

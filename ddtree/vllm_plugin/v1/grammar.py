@@ -63,6 +63,10 @@ def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_paren
         drafts = list(spec_tokens.get(req_id, ()))
         if drafts:
             parents = tree_parents.get(req_id)
+            if parents is None and all(token == -1 for token in drafts):
+                # Drafts not known to the scheduler (async placeholders): vLLM leaves their
+                # rows unmasked, and so does this (every path holds a -1).
+                parents = list(range(len(drafts)))
             if parents is None or len(parents) < len(drafts):
                 raise RuntimeError(
                     f"ddtree: no tree shape reached the scheduler for structured-output "
@@ -71,7 +75,8 @@ def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_paren
             for slot, path in enumerate(root_paths(drafts, parents), start=1):
                 # validate_tokens first: accept_tokens logs an ERROR ("Failed to advance FSM")
                 # for every token it rejects, and a tree holds many nodes the grammar rejects.
-                accepted = [] if grammar.is_terminated() else grammar.validate_tokens(path)
+                known = -1 not in path and not grammar.is_terminated()
+                accepted = grammar.validate_tokens(path) if known else []
                 valid = len(accepted) == len(path)
                 if valid:
                     grammar.accept_tokens(req_id, path)
