@@ -297,6 +297,7 @@ class FakeLLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.requests: list[tuple[tuple[int, ...], int, float]] = []
+        self.params: list = []  # every request's SamplingParams
         self.running: dict[int, int] = {}
         self.batch_sizes: list[int] = []
         self.drafts = self.accepted = self.steps = 0
@@ -316,6 +317,7 @@ class FakeLLM:
     def enqueue(self, prompt, params, use_tqdm=True):
         ids = tuple(prompt["prompt_token_ids"])
         self.requests.append((ids, params.max_tokens, params.temperature))
+        self.params.append(params)
         self.running[len(self.requests)] = params.max_tokens
         return [str(len(self.requests))]
 
@@ -351,7 +353,10 @@ class FakeLLM:
         ]
 
 
-def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path, monkeypatch):
+@pytest.mark.parametrize("structured_output", ["none", "json"])
+def test_engine_workers_run_identical_requests_and_collect_the_profile(
+    tmp_path, monkeypatch, structured_output
+):
     import vllm
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
@@ -393,6 +398,7 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
             repeats=2,
             ddtree_schedules=[],
             ddtree_auto=None,
+            structured_output=structured_output,
             engines=[name],
             argv=argv,
             out=tmp_path,
@@ -410,6 +416,12 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(tmp_path,
         for i in bench.request_schedule(5, c)
     ]
     assert measured == want
+    for params in ar.params + tree.params:  # a JSON request ends at its EOS, others run on
+        grammar = params.structured_outputs
+        if structured_output == "json":
+            assert grammar.json == bench.JSON_SCHEMA and not params.ignore_eos
+        else:
+            assert grammar is None and params.ignore_eos
     result = json.loads((tmp_path / "ddtree-16.json").read_text())
     assert result["prompts_sha256"] == prompt_set["sha256"]
     assert [r["repeat"] for r in result["rows"]] == [0] * 4 + [1] * 4

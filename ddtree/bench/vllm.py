@@ -385,6 +385,15 @@ class ProgressFile:
             self.write(done)
 
 
+# ``--structured-output json``: every request asks for this JSON schema (vLLM's xgrammar
+# backend). Two free strings let a code model write for a while before the object closes.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "body": {"type": "string"}},
+    "required": ["name", "body"],
+}
+
+
 def measure(
     llm,
     prompts: list[list[int]],
@@ -393,21 +402,26 @@ def measure(
     temperature: float,
     max_tokens: int,
     progress: ProgressFile | None = None,
+    structured_output: str = "none",
 ) -> dict:
     """Run the requests ``schedule`` (prompt indices) at ``concurrency``; one row."""
     import vllm
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    structured = structured_output == "json"
     # seed=None: per-request seeds make vLLM sample row by row (and skip FlashInfer's sampler),
     # which would slow the measured step; at T=1 tau therefore varies a little between runs.
+    # A grammar ends a request at its EOS (past it the grammar rejects every token): no
+    # ignore_eos with structured output, so rows count the tokens each request produced.
     params = vllm.SamplingParams(
         temperature=temperature,
         max_tokens=max_tokens,
-        ignore_eos=True,
+        ignore_eos=not structured,
         seed=None,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA) if structured else None,
     )
     engine = llm.llm_engine
 
@@ -436,6 +450,8 @@ def measure(
         "prompts": len(set(schedule)),
         "max_tokens": max_tokens,
     }
+    if structured:
+        row["structured_output"] = structured_output
     steps = _delta(after, before, "engine_steps")
     if steps:  # exact, whatever the number of requests running in each step
         row["engine_steps"] = steps
@@ -489,7 +505,10 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
     for temperature in args.temperatures:  # warm-up: first uses compile (Triton) / allocate
         for concurrency in args.concurrency:
             schedule = request_schedule(len(prompts), concurrency)[:concurrency]
-            measure(llm, prompts, schedule, concurrency, temperature, 8)
+            measure(
+                llm, prompts, schedule, concurrency, temperature, 8,
+                structured_output=args.structured_output,
+            )  # fmt: skip
     (out / f"{name}.ready").touch()
     while not all(
         (out / f"{n}.ready").exists() or (out / f"{n}.failed").exists() for n in args.engines
@@ -509,8 +528,9 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
             sys.stdout.flush()
             log_start = log.stat().st_size if log else 0
             row = measure(
-                llm, prompts, schedule, concurrency, temperature, args.max_tokens, progress
-            )
+                llm, prompts, schedule, concurrency, temperature, args.max_tokens, progress,
+                structured_output=args.structured_output,
+            )  # fmt: skip
         finally:
             turns.done()
         if repeats > 1:
@@ -787,6 +807,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "random ids with --dummy-shapes",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument(
+        "--structured-output",
+        choices=("none", "json"),
+        default="none",
+        help="json: every request asks for a JSON schema (bench.vllm.JSON_SCHEMA; requests end "
+        "at their EOS, so up to --max-tokens each)",
+    )
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
