@@ -18,6 +18,7 @@
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
 #   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~12 min: detach;
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min)
+#   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
@@ -119,6 +120,13 @@ pair)
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
   ;;
+json)  # structured output (a JSON schema per request): the chain vs DDTree (issue 22)
+  timeout 600 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
+    --structured-output json --concurrency 1,16 --temperatures 0 --repeats 2 --max-tokens 128 \
+    --title "bundled pair, JSON schema requests, $GPU" --out /tmp/bench_json > "$OUT/bench_json.txt" 2>&1
+  tar czf "$OUT/bench_json.tgz" -C /tmp/bench_json --exclude=models .
+  tail -20 "$OUT/bench_json.txt"
+  ;;
 sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
   timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
     --ddtree-acceptance 50 --ddtree-auto 255 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
@@ -147,7 +155,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|profile|tree|gdn|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac
