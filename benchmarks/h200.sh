@@ -17,7 +17,8 @@
 #   bash benchmarks/h200.sh newtests # GPU tests of the V2 GDN glue and V2 penalties (~1 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
 #   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~12 min: detach;
-#                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min)
+#                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
+#                                    # SCHED_SCHEDULES: fewer engines)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
@@ -128,8 +129,9 @@ json)  # structured output (a JSON schema per request): the chain vs DDTree (iss
   tail -20 "$OUT/bench_json.txt"
   ;;
 sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
-  timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
-    --ddtree-acceptance 50 --ddtree-auto 255 --ddtree-schedules '[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]' \
+  timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets "${SCHED_BUDGETS:-15,63,255}" \
+    --ddtree-acceptance 50 --ddtree-auto 255 \
+    --ddtree-schedules "${SCHED_SCHEDULES:-[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]}" \
     --concurrency 1,4,16,32 --temperatures "${SCHED_TEMPS:-0,1}" --repeats "${SCHED_REPEATS:-3}" \
     --max-tokens 128 --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1
