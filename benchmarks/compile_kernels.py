@@ -76,7 +76,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         f"vocab._threshold_kernel {tag}",
         vocab_topk._threshold_kernel,
         {"stats_ptr": "*fp32", "chunks_ptr": "*i32", "lse_ptr": "*fp32", "thresh_ptr": "*i32",
-         "count_ptr": "*i32", "num_seg": "i32", "n_chunks": "i32", "k": "i32"},
+         "count_ptr": "*i32", "num_seg": "i32", "n_chunks": "i32", "k": "i32", "slack": "i32"},
         {"NK": next_pow2(n_chunks), "SEG_P": next_pow2(num_seg)},
         vocab_topk.threshold_num_warps(n_chunks), arch,
     )  # fmt: skip
@@ -84,8 +84,9 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         f"vocab._compact_kernel {tag}",
         vocab_topk._compact_kernel,
         {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
-         "thresh_ptr": "*i32", "count_ptr": "*i32", "buf_ptr": "*i64"},
-        {"CAP": cap, "SEGMENT": segment, "TILE": min(segment, 2048)},
+         "thresh_ptr": "*i32", "count_ptr": "*i32", "buf_ptr": "*i64", "chunks_ptr": "*i32"},
+        {"CAP": cap, "SEGMENT": segment, "CHUNK": chunk,
+         "TILE_CH": min(segment // chunk, 2048 // chunk)},
         8, arch,
     )  # fmt: skip
     compile_one(

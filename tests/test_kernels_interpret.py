@@ -147,6 +147,12 @@ else:
                 target[row, slot] = tree.tokens[row, int(child[0])]
                 slot = int(child[0])
         check_walk(tree, target)
+        # The chain agrees below its first node only: its deeper nodes match their parents
+        # but are not accepted (a walk must check every ancestor, not only the parent).
+        for row in range(2):
+            first_level = set(tree.tokens[row][tree.depths[row] == 1].tolist())
+            target[row, 0] = next(t for t in range(30) if t not in first_level)
+        check_walk(tree, target)
 
     @pytest.mark.parametrize("layout", ["flash", "split"])
     def test_compact_kv(layout):

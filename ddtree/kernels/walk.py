@@ -1,8 +1,9 @@
 """Walk a batch of draft trees in one Triton launch; torch reference: :func:`ddtree.verify.walk`.
 
 One program per request: a slot is accepted iff the target's token at its parent equals its
-token, for itself and all its ancestors (read from ``tree.ancestors``); the deepest accepted slot
-(the first of a depth on ties) gives the path, the bonus token and the emitted tokens.
+token, for itself and all its ancestors (propagated down the parent links); the deepest
+accepted slot (the first of a depth on ties) gives the path, the bonus token and the emitted
+tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ def _walk_kernel(
     parent = tl.load(parents_ptr + row + slot, mask=ok, other=-1)
     step = tl.where(parent >= 0, parent, slot)
     target_at_parent = tl.load(target_ptr + row + step, mask=ok, other=-1)
-    match = ((token == target_at_parent) & (token >= 0)) | (slot == 0)
-    accepted = ok
-    for up in range(0, depth + 1):
-        anc = tl.load(ancestors_ptr + (row + slot) * (depth + 1) + up, mask=ok, other=0)
-        accepted &= tl.gather(match, anc.to(tl.int32), 0)
+    match = (((token == target_at_parent) & (token >= 0)) | (slot == 0)) & ok
+    # Round r: accepted[s] = match over s and its r nearest ancestors; depth rounds cover every
+    # root path. In registers: no per-round load of the [n_slots, depth + 1] ancestor table.
+    accepted = match.to(tl.int32)
+    up_slot = step.to(tl.int32)
+    for _ in range(0, depth):
+        accepted = accepted & tl.gather(accepted, up_slot, 0)
+    accepted = accepted != 0
     tl.store(accepted_ptr + row + slot, accepted.to(tl.uint8), mask=ok)
 
     # Deepest accepted slot, the first one on ties: the max of depth * N + (N - 1 - slot).
