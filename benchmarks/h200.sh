@@ -12,6 +12,7 @@
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel and whole layer vs the chain, 27B (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
+#   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
 #   bash benchmarks/h200.sh newtests # GPU tests of the V2 GDN glue and V2 penalties (~1 min)
@@ -97,6 +98,15 @@ tree)
   timeout 200 python3 benchmarks/tree.py --device cuda --impl "${TREE_IMPL:-both}" --vocabs 151936 \
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
+  ;;
+treetime)  # fused tree kernels' timings only, for each tree-kernel warp count in TREE_WARPS
+  for warps in ${TREE_WARPS:-default}; do
+    timeout 200 python3 benchmarks/tree.py --device cuda --impl fused --vocabs 151936 \
+      --batches 1,32 --budgets 255,1024 --no-reference \
+      $([ "$warps" = default ] || echo --tree-warps "$warps") \
+      --out "$OUT/tree_w$warps.json" > "$OUT/tree_w$warps.txt" 2>&1
+    echo "warps $warps"; tail -6 "$OUT/tree_w$warps.txt"
+  done
   ;;
 bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree
   # (issue 21). ~56 GB of weights per engine: one engine per bench run, one run after another.
