@@ -400,7 +400,12 @@ def check_gdn(device: str = "cpu") -> None:
         setattr(layer, name, getattr(layer, name).to(device))
     layer.conv1d = SimpleNamespace(**{k: v.to(device) for k, v in vars(layer.conv1d).items()})
     layer.kv_cache = [t.to(device) for t in layer.kv_cache]
-    trees_gdn = TreeGDN(tables, [layer])
+    # A second layer with the same weights and caches: it reads the step's tree layout from
+    # the first layer's forward.
+    twin = SimpleNamespace(**vars(layer))
+    twin.prefix = "model.layers.1.linear_attn"
+    twin.kv_cache = [t.clone() for t in layer.kv_cache]
+    trees_gdn = TreeGDN(tables, [layer, twin])
     trees_gdn.query_start_loc = qsl.to(device)
     entry = trees_gdn.layers[layer.prefix]
     # State blocks: 3 (tree), 1 (prefill), 4 (clipped tree); the padded row is stale: it
@@ -408,6 +413,7 @@ def check_gdn(device: str = "cpu") -> None:
     entry.block_table = torch.tensor(
         [[3, 9], [1, 9], [4, 9], [3, 9], [0, 0]], dtype=torch.int32, device=device
     )
+    trees_gdn.layers[twin.prefix].block_table = entry.block_table
     channels, heads_v = layer.conv1d.weight.shape[0], layer.num_v_heads
     mixed_qkv = torch.randn(num_tokens, channels, generator=gen)
     a, b = torch.randn(num_tokens, heads_v, generator=gen), torch.randn(num_tokens, heads_v)
@@ -439,7 +445,12 @@ def check_gdn(device: str = "cpu") -> None:
     def verify():
         trees_gdn._tree_rows(layer, num_tokens, num_reqs, *inputs, core_attn_out)
 
+    twin_out = core_attn_out.clone()
+    with pytest.raises(RuntimeError, match="ran before the first GDN layer"):
+        trees_gdn._tree_rows(twin, num_tokens, num_reqs, *inputs, twin_out)
     verify()
+    trees_gdn._tree_rows(twin, num_tokens, num_reqs, *inputs, twin_out)
+    torch.testing.assert_close(twin_out, core_attn_out, atol=0, rtol=0)
     assert torch.equal(conv, conv_before) and torch.equal(ssm, ssm_before)  # verify: no writes
     got = core_attn_out.cpu()
     prefill_out = mixed_qkv[q : q + 6, : heads_v * layer.head_v_dim].view(6, heads_v, -1)

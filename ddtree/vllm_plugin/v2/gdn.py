@@ -66,6 +66,20 @@ def stash_bytes(layers: list, rows: int, slots: int) -> int:
     return total
 
 
+@dataclass
+class TreeLayout:
+    """Where a verify step's tree nodes are (the same for every GDN layer of the step)."""
+
+    num_tokens: int
+    num_reqs: int
+    has_tree: torch.Tensor  # [R] bool: the batch row verifies a tree
+    rows: torch.Tensor  # [R, Q] token row of each slot (clamped for padding)
+    depths: torch.Tensor  # [R, Q] node depth, 0 for padding
+    ancestors: torch.Tensor  # [R, Q, D+1] ancestor slots (padding: itself)
+    node_of_token: torch.Tensor  # [T] flat (request, slot) of each token row
+    is_tree: torch.Tensor  # [T] bool: the token row is a tree node
+
+
 class TreeGDN:
     """The GDN half of a V2 DDTree engine: verify hook, stash and commit of every GDN layer."""
 
@@ -84,6 +98,8 @@ class TreeGDN:
                 torch.zeros(rows, slots, heads_v, dtype=torch.float32, device=device),
             )
             layer.ddtree_gdn = self
+        self.first_layer = next(iter(self.layers), None)  # the model's first GDN layer
+        self.layout: TreeLayout | None = None  # the current forward's, from the first layer
         self.query_start_loc: torch.Tensor | None = None  # the runner's persistent buffer
         self.num_reqs = 0  # the step's requests (read in mixed steps, which run eagerly)
         log.info(
@@ -155,46 +171,69 @@ class TreeGDN:
             context.attn_metadata[layer.prefix] = md
         core_attn_out.index_copy_(0, rows, out)
 
-    def _tree_rows(self, layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out) -> None:
-        from ddtree.kernels.gdn_tree import tree_conv_fused, tree_gdn_fused
-
-        entry = self.layers[layer.prefix]
+    def _layout(self, layer, num_tokens: int, num_reqs: int) -> TreeLayout:
+        """The step's tree layout, computed in its first GDN layer and read by the others (the
+        same for every layer of a forward; 48 layers at 27B). The first layer recomputes it in
+        every forward, so a captured graph records it and a replay never reads a layout from
+        another run."""
+        if layer.prefix != self.first_layer:
+            cached = self.layout
+            if cached is None or (cached.num_tokens, cached.num_reqs) != (num_tokens, num_reqs):
+                raise RuntimeError(
+                    f"ddtree: GDN layer {layer.prefix} ran before the first GDN layer "
+                    f"{self.first_layer} of its forward"
+                )
+            return cached
         tables = self.tables
         width = tables.tokens.shape[1]  # Q = 1 + B slots per request
-        device = mixed_qkv.device
+        device = tables.tokens.device
         qsl = self.query_start_loc[: num_reqs + 1].long()
         start, count = qsl[:-1], qsl[1:] - qsl[:-1]  # [R]
         tree = tables.tree_rows[:num_reqs].long()  # [R]: tree-table row, -1: none
         slot = torch.arange(width, device=device)
         valid = (tree[:, None] >= 0) & (slot < count[:, None])  # [R, Q]
-        rows = (start[:, None] + slot).clamp(max=num_tokens - 1)  # [R, Q] token rows
         table = tree.clamp(min=0)
-        # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
-        depths = torch.where(valid, tables.depths[table], 0)  # [R, Q]
-        ancestors = torch.where(valid[..., None], tables.ancestors[table], slot[:, None])
+        # Back to token rows (a gather: no two writes to one row).
+        token = torch.arange(num_tokens, device=device)
+        req = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=num_reqs - 1)
+        local = (token - qsl[req]).clamp(0, width - 1)
+        self.layout = TreeLayout(
+            num_tokens,
+            num_reqs,
+            has_tree=tree >= 0,
+            rows=(start[:, None] + slot).clamp(max=num_tokens - 1),
+            # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
+            depths=torch.where(valid, tables.depths[table], 0),
+            ancestors=torch.where(valid[..., None], tables.ancestors[table], slot[:, None]),
+            node_of_token=req * width + local,
+            is_tree=valid[req, local] & (token - qsl[req] < width),
+        )
+        return self.layout
+
+    def _tree_rows(self, layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out) -> None:
+        from ddtree.kernels.gdn_tree import tree_conv_fused, tree_gdn_fused
+
+        entry = self.layers[layer.prefix]
+        step = self._layout(layer, num_tokens, num_reqs)
+        rows = step.rows
         x = entry.conv_input[:num_reqs]  # [R, Q, C]: the nodes' conv inputs, kept for the commit
         torch.index_select(mixed_qkv, 0, rows.flatten(), out=x.view(-1, x.shape[-1]))
         g, beta = gdn.gdn_gating(layer.A_log, a[rows], b[rows], layer.dt_bias)  # [R, Q, HV]
         entry.g[:num_reqs].copy_(g)
         entry.beta[:num_reqs].copy_(beta)
         conv, ssm = caches(layer)
-        cache_slots = state_blocks(entry.block_table, tree >= 0)  # [R]
+        cache_slots = state_blocks(entry.block_table, step.has_tree)  # [R]
         x_conv = tree_conv_fused(
-            x, conv, cache_slots, ancestors, depths, conv_weight(layer), layer.conv1d.bias,
-            layer.activation,
+            x, conv, cache_slots, step.ancestors, step.depths, conv_weight(layer),
+            layer.conv1d.bias, layer.activation,
         )  # fmt: skip
         q, k, v = split_qkv(layer, x_conv)
         out = tree_gdn_fused(
-            q, k, v, g, beta, ssm, ancestors, depths, state_slots=cache_slots
+            q, k, v, g, beta, ssm, step.ancestors, step.depths, state_slots=cache_slots
         )  # [R, Q, HV, V] float32
-        # Back to token rows (a gather: no two writes to one row).
-        token = torch.arange(num_tokens, device=device)
-        req = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=num_reqs - 1)
-        local = (token - qsl[req]).clamp(0, width - 1)
-        is_tree = valid[req, local] & (token - qsl[req] < width)  # [T]
-        node_out = out[req, local].to(core_attn_out.dtype)  # [T, HV, V]
+        node_out = out.flatten(0, 1)[step.node_of_token].to(core_attn_out.dtype)  # [T, HV, V]
         core_attn_out[:num_tokens] = torch.where(
-            is_tree[:, None, None], node_out, core_attn_out[:num_tokens]
+            step.is_tree[:, None, None], node_out, core_attn_out[:num_tokens]
         )
 
     # --- commit --------------------------------------------------------------------------
