@@ -7,6 +7,7 @@ draft steps, identical outputs: benchmarks/results/chain_vs_tree15_cpu_2026-12-0
 H200 (V2 runner, bf16) DDTree's tau was ~8% lower: this script is the check for that gap.
 
     python benchmarks/chain_vs_tree15.py            # vLLM's defaults for the platform
+    python benchmarks/chain_vs_tree15.py --dtype float32   # on a GPU: logic vs bf16 numerics
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--dtype", default=None, help="model dtype (default: float32 on the CPU, else vLLM's)"
+    )
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
@@ -43,6 +47,8 @@ def main() -> int:
         "ddtree15": {"method": "ddtree", "model": str(drafter), "ddtree_budget": 15},
     }
     kw = {"dtype": "float32", "enforce_eager": True} if not torch.cuda.is_available() else {}
+    if args.dtype is not None:
+        kw["dtype"] = args.dtype
     result = {}
     for name, spec in specs.items():
         llm = vllm.LLM(
@@ -62,7 +68,12 @@ def main() -> int:
         llm.llm_engine.engine_core.shutdown()
         del llm
     same = result["dflash"]["outputs"] == result["ddtree15"]["outputs"]
-    print("same outputs:", same)
+    first_split = [  # per prompt: the first token where the two differ (None: equal)
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        for a, b in zip(result["dflash"]["outputs"], result["ddtree15"]["outputs"], strict=True)
+    ]
+    result["first_split"] = first_split
+    print("same outputs:", same, "first split per prompt:", first_split)
     if args.out is not None:
         args.out.write_text(json.dumps(result) + "\n")
     return 0

@@ -12,6 +12,7 @@
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel and whole layer vs the chain, 27B (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
+#   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
 #   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
@@ -98,6 +99,13 @@ tree)
   timeout 200 python3 benchmarks/tree.py --device cuda --impl "${TREE_IMPL:-both}" --vocabs 151936 \
     --batches 1,32 --budgets 255,1024 --out "$OUT/tree_h200.json" > "$OUT/tree.txt" 2>&1
   tail -30 "$OUT/tree.txt"
+  ;;
+chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, bf16 and float32
+  for dtype in bfloat16 float32; do
+    timeout 300 python3 benchmarks/chain_vs_tree15.py --dtype $dtype --prompts 8 \
+      --out "$OUT/chain15_$dtype.json" > "$OUT/chain15_$dtype.txt" 2>&1
+    echo "$dtype"; grep -E "^dflash|^ddtree15|same outputs" "$OUT/chain15_$dtype.txt" | cut -c1-400
+  done
   ;;
 treetime)  # fused tree kernels' timings only, for each tree-kernel warp count in TREE_WARPS
   for warps in ${TREE_WARPS:-default}; do
