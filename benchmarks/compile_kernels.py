@@ -208,9 +208,23 @@ def gdn_kernels(dtype: str, arch: int) -> None:
 
 
 def v2_glue_kernels(arch: int) -> None:
-    """The V2 runner glue's kernels, with the dtypes vLLM 0.26's V2 buffers have (request
-    indices and token ids int32, tree tokens int64, tree tables int32)."""
+    """The V2 runner glue's kernels and the paged tree attention, with the dtypes vLLM 0.26's
+    V2 buffers have (request indices and token ids int32, tree tokens int64, tree tables
+    int32)."""
+    from ddtree.vllm_plugin.attention import paged_tree_kernel
     from ddtree.vllm_plugin.v2 import bad_words, kernels, penalties
+
+    int32 = ("qsl_ptr", "seq_lens_ptr", "table_ptr", "tree_rows_ptr", "depths_ptr",
+             "ancestors_ptr")  # fmt: skip
+    scalars = ("group", "cache_block", "max_depth", "first_slot", "s_qt", "s_qh", "s_ot",
+               "s_oh", "s_cb", "s_ch", "s_ct", "s_tr", "s_dr", "s_ar", "s_aq")  # fmt: skip
+    compile_one(
+        "attention._paged_tree_attention_kernel hd=128 group=4 bf16",
+        paged_tree_kernel._paged_tree_attention_kernel,
+        {"query_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
+         **dict.fromkeys(int32, "*i32"), "scale": "fp32", **dict.fromkeys(scalars, "i32")},
+        {"HEAD_DIM": 128, "BLOCK_Q": 16, "GROUP_PAD": 4, "BLOCK_N": 32}, 4, arch,
+    )  # fmt: skip
 
     tree = {"tokens_ptr": "*i64", "tokens_stride": "i32", "ancestors_ptr": "*i32",
             "ancestors_stride0": "i32", "ancestors_stride1": "i32", "depths_ptr": "*i32",

@@ -1,7 +1,8 @@
 """The paged tree attention kernel (for full CUDA graphs) against a per-slot reference, run with
 Triton's CPU interpreter: tree requests with full and clipped trees, a prefill request and a
 padded request that it must leave alone, grouped-query heads (also a group that is not a power
-of two), the cache in FlashAttention's logical view over NHD memory."""
+of two), the cache in FlashAttention's logical view over NHD memory; rows before
+``first_slot`` (a forced chain, computed by the backend) left alone."""
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_kernel_equals_the_reference():
     run_interpreted(__file__)
 
 
-def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:
+def check(heads: int, kv_heads: int, head: int = 16, block: int = 16, first_slot: int = 0) -> None:
     from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 
     gen = torch.Generator().manual_seed(heads)
@@ -57,6 +58,7 @@ def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:
         head**-0.5,
         max(counts),
         rows_per_program=16,
+        first_slot=first_slot,
     )
 
     def cached(r, positions):
@@ -72,6 +74,9 @@ def check(heads: int, kv_heads: int, head: int = 16, block: int = 16) -> None:
             continue
         tree = int(tree_rows[r])
         for i, row in enumerate(rows):
+            if i < first_slot:  # left to the backend's causal pass
+                assert (output[row] == poison).all(), (r, i)
+                continue
             seen = [j for j in range(counts[r]) if trees.mask[tree, i, j]]
             keys, values = cached(r, list(range(contexts[r])) + [contexts[r] + j for j in seen])
             want, _ = attend_with_lse(query[row : row + 1], keys, values, head**-0.5)
@@ -83,3 +88,5 @@ if __name__ == "__main__":
     check(heads=4, kv_heads=2)
     check(heads=6, kv_heads=2)  # a group of 3: padded to 4 rows per slot
     check(heads=2, kv_heads=2)
+    check(heads=4, kv_heads=2, first_slot=5)  # a forced chain of 4 after the root
+    check(heads=4, kv_heads=2, first_slot=24)  # the whole tree is chain: nothing written

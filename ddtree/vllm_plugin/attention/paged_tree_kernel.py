@@ -29,7 +29,7 @@ from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step, _pa
 def _paged_tree_attention_kernel(
     query_ptr, cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, table_ptr, tree_rows_ptr, depths_ptr, ancestors_ptr,
-    scale, group, cache_block, max_depth,
+    scale, group, cache_block, max_depth, first_slot,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_ch, s_ct, s_tr, s_dr, s_ar, s_aq,
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -45,7 +45,7 @@ def _paged_tree_attention_kernel(
     context = tl.load(seq_lens_ptr + r) - count
     dims = tl.arange(0, HEAD_DIM)
     m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # row = (slot, head of the group)
-    slot = q_block * BLOCK_Q + m // GROUP_PAD
+    slot = first_slot + q_block * BLOCK_Q + m // GROUP_PAD
     head_in_group = m % GROUP_PAD
     head = kv_head * group + head_in_group
     q_valid = (slot < count) & (head_in_group < group)
@@ -103,8 +103,10 @@ def paged_tree_attention(
     max_query_len: int,
     rows_per_program: int = 64,
     block_n: int = 32,
+    first_slot: int = 0,
 ) -> None:
-    """Write the tree requests' rows of ``output [T, H, hd]`` (other rows are left alone).
+    """Write the tree requests' rows of ``output [T, H, hd]`` from slot ``first_slot`` on (other
+    rows are left alone: e.g. a forced chain's, which the backend's causal pass computes).
 
     ``query [T, H, hd]`` (last dim contiguous); ``kv_cache [num_blocks, kvh, block, 2 * hd]``
     (FlashAttention's / Triton attention's logical view, K then V in the last dim);
@@ -125,11 +127,13 @@ def paged_tree_attention(
         raise ValueError("paged_tree_attention: tree tables must be contiguous per row")
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, rows_per_program // group_pad)  # a program: BLOCK_Q slots x GROUP_PAD heads
-    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    if max_query_len <= first_slot:
+        return
+    grid = (num_reqs, triton.cdiv(max_query_len - first_slot, block_q), num_kv_heads)
     _paged_tree_attention_kernel[grid](
         query, kv_cache, output,
         query_start_loc, seq_lens, block_table, tree_rows, depths, ancestors,
-        scale, group, kv_cache.shape[2], ancestors.shape[2] - 1,
+        scale, group, kv_cache.shape[2], ancestors.shape[2] - 1, first_slot,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
         depths.stride(0), ancestors.stride(0), ancestors.stride(1),

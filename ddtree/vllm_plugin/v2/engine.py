@@ -140,13 +140,26 @@ class TreeEngine:
         if self.gdn is not None:
             self.gdn.bind(runner)
 
+    def chain_slots(self, max_query_len: int) -> int:
+        """Leading slots of every tree that a causal pass computes exactly: the root and the
+        forced chain (``chain_seed``: slots 1..min(D, K) at depths 1..min(D, K), each the
+        child of the one before), 0 without a forced chain."""
+        if not self.options.chain_seed:
+            return 0
+        return 1 + min(self.depth, max_query_len - 1)
+
     def attend(self, impl, original, query, key, value, kv_cache, attn_metadata, output, group):
         """The attention hook of a bound target layer: the backend's pass where it is needed,
-        then the tree rows (in a capture: the decode graphs, every request a tree)."""
+        then the tree rows (in a capture: the decode graphs, every request a tree).
+
+        The forced chain's rows take the backend's causal pass, as vLLM's chain verify does:
+        bit for bit the chain's (and no-spec's) numerics while the walk stays on the chain,
+        and no tree kernel at all when the step's budget is the chain (K <= D)."""
         if attn_metadata is None or not (self.tree_step or self.capturing):
             return original()
-        if not (self.all_tree or self.capturing):
-            original()  # mixed step: prefill rows need the backend's causal pass
+        first = self.chain_slots(attn_metadata.max_query_len)
+        if first > 0 or not (self.all_tree or self.capturing):
+            original()  # the chain's rows; in a mixed step also the prefill rows
         num_reqs = attn_metadata.query_start_loc.shape[0] - 1
         paged_tree_attention(
             query,
@@ -160,6 +173,7 @@ class TreeEngine:
             self.tables.ancestors,
             impl.scale,
             attn_metadata.max_query_len,
+            first_slot=first,
         )
         return output
 
