@@ -101,7 +101,7 @@ tree)
   tail -30 "$OUT/tree.txt"
   ;;
 chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, bf16 and float32
-  for dtype in bfloat16 float32; do
+  for dtype in ${CHAIN15_DTYPES:-bfloat16 float32}; do
     timeout 300 python3 benchmarks/chain_vs_tree15.py --dtype $dtype --prompts 8 \
       --out "$OUT/chain15_$dtype.json" > "$OUT/chain15_$dtype.txt" 2>&1
     echo "$dtype"; grep -E "^dflash|^ddtree15|same outputs" "$OUT/chain15_$dtype.txt" | cut -c1-400
