@@ -32,7 +32,10 @@ def engine(model: Path = MODELS / "target", spec: dict | None = None, **kwargs):
         max_num_seqs=4,
         max_num_batched_tokens=2048,
         seed=0,
-        gpu_memory_utilization=0.2,
+        # An explicit KV cache size: without it the CPU backend sizes the cache as 20% of RAM
+        # minus this process's RSS, which shrinks with every in-process engine a test run
+        # has loaded (a late test once got 9 MB, too little for one 1024-token request).
+        kv_cache_memory_bytes=256 * 2**20,
     )
     settings.update(kwargs)
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
