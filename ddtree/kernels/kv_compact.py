@@ -39,6 +39,9 @@ def _compact_kv_kernel(
     ok = move < num_moves
     src = tl.load(src_ptr + req * num_moves + move, mask=ok, other=0).to(tl.int64)
     dst = tl.load(dst_ptr + req * num_moves + move, mask=ok, other=0).to(tl.int64)
+    # A slot onto itself moves nothing: the accepted path's prefix on the forced chain (most
+    # accepted nodes) and the padding moves cost no memory traffic.
+    ok = ok & (src != dst)
     src_at = (src // block_size) * s_block + (src % block_size) * s_offset  # [MP]
     dst_at = (dst // block_size) * s_block + (dst % block_size) * s_offset
     for part in tl.static_range(PARTS):
