@@ -58,3 +58,14 @@ def test_choice_is_the_largest_candidate_within_the_ratio(budget, depth, ratio, 
             if s == chain or (b * (1 + s) <= max_tokens and cost(b * (1 + s)) <= limit)
         ]
         assert steps == max(fits)
+
+
+def test_monotone_costs_bound_a_stall_by_larger_counts():
+    """Costs non-decreasing in the tokens; a stalled measurement (timing noise only adds time)
+    is bounded by a larger count's instead of raising every larger count."""
+    from ddtree.vllm_plugin.cost_model import monotone
+
+    measured = [7.2, 9.7, 11.0, 16.7, 43.1, 1091.3, 71.0]
+    got = monotone([16, 32, 64, 128, 256, 512, 1024], measured)
+    assert list(got.values()) == [7.2, 9.7, 11.0, 16.7, 43.1, 71.0, 71.0]
+    assert monotone([1, 2, 3], [3.0, 2.0, 5.0]) == {1: 2.0, 2: 2.0, 3: 5.0}

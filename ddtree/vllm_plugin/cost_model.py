@@ -116,16 +116,20 @@ def fastest_seconds(run: Callable[[], object], sync: Callable[[], object], repea
 
 
 def monotone(counts: list[int], seconds: list[float]) -> dict[int, float]:
-    """``{tokens: seconds}`` made non-decreasing in the tokens (``counts`` increasing): more
-    tokens never cost less, and the running maximum smooths timing noise."""
-    return dict(zip(counts, itertools.accumulate(seconds, max), strict=True))
+    """``{tokens: seconds}`` made non-decreasing in the tokens (``counts`` increasing): each
+    count costs the least measured at it or at any larger count. Timing noise only adds time,
+    so a stalled measurement is bounded by a larger count's (a running maximum would carry one
+    stall to every larger count: a CI host under load once timed 512 tokens at 1091 ms against
+    71 ms for 1024, and the model cut a budget it should have kept)."""
+    suffix_min = list(itertools.accumulate(reversed(seconds), min))[::-1]
+    return dict(zip(counts, suffix_min, strict=True))
 
 
 def fit_step_budgets(runner, budget: int, depth: int, max_cost_ratio: float) -> dict[int, int]:
     """Measure the target's forward on ``runner`` at every token count the choice can ask
-    for, make the costs non-decreasing in the tokens (the running maximum: more tokens never
-    cost less; it also smooths timing noise), and return ``{bucket: B_step}`` for every
-    power-of-two bucket up to ``max_num_seqs`` (logged as a table)."""
+    for, make the costs non-decreasing in the tokens (:func:`monotone`: more tokens never cost
+    less, and a stalled measurement is bounded by a larger count's), and return ``{bucket:
+    B_step}`` for every power-of-two bucket up to ``max_num_seqs`` (logged as a table)."""
     scheduler = runner.scheduler_config
     max_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
     buckets = graphs.buckets(scheduler.max_num_seqs)
