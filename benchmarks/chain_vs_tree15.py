@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from vllm_gpu_equality import first_divergence  # benchmarks/ is the script's path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,7 +71,7 @@ def main() -> int:
         del llm
     same = result["dflash"]["outputs"] == result["ddtree15"]["outputs"]
     first_split = [  # per prompt: the first token where the two differ (None: equal)
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        first_divergence(a, b)
         for a, b in zip(result["dflash"]["outputs"], result["ddtree15"]["outputs"], strict=True)
     ]
     result["first_split"] = first_split

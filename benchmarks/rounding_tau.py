@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from vllm_gpu_equality import first_divergence  # benchmarks/ is the script's path
 
 ROOT = Path(__file__).resolve().parent.parent
 SDPA = F.scaled_dot_product_attention
@@ -63,10 +64,7 @@ def run(prompts, dtype: torch.dtype, method: str, max_new_tokens: int) -> dict:
 
 def first_splits(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
     """Per prompt: the first token where two runs differ (None: equal)."""
-    return [
-        next((i for i, (x, y) in enumerate(zip(u, v, strict=False)) if x != y), None)
-        for u, v in zip(a, b, strict=True)
-    ]
+    return [first_divergence(u, v) for u, v in zip(a, b, strict=True)]
 
 
 def main() -> None:

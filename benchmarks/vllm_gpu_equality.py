@@ -320,7 +320,7 @@ def _logprob_gap(a: list | None, b: list | None, equal_until: int) -> float | No
     return round(gap, 5)
 
 
-def _divergence(a: list[int], b: list[int]) -> int | None:
+def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first index where the token lists differ (None: equal)."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -374,7 +374,7 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str]) -> dict:
             row["equal"] = all(a == b for a, b in pairs)
             row["requests_equal"] = sum(a == b for a, b in pairs)
             row["tokens"] = sum(len(a[0]) for a, _ in pairs)
-            row["first_divergence"] = [_divergence(a[0], b[0]) for a, b in pairs]
+            row["first_divergence"] = [first_divergence(a[0], b[0]) for a, b in pairs]
             if kind in ("pairopts", "pairpen"):  # both asked for the same logprobs
                 row["logprob_gap"] = [
                     _logprob_gap(x, y, len(a[0]) if d is None else d)
