@@ -168,7 +168,7 @@ def main() -> None:
 
 def gdn_kernels(dtype: str, arch: int) -> None:
     """The tree GDN kernels (recurrence, path replay, conv) at Qwen3.6-27B shapes (K = V = 128)."""
-    ints = ("n_slots", "heads_v", "ratio", "dim_v", *(f"s_{x}" for x in (
+    ints = ("n_slots", "heads_v", "ratio", "dim_v", "max_depth", *(f"s_{x}" for x in (
         "qb", "qn", "qh", "kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn",
         "sb", "sh", "sv", "ab", "an", "db", "ob", "on", "oh")))  # fmt: skip
     compile_one(

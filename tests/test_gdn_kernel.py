@@ -21,12 +21,18 @@ def test_kernel_equals_the_reference():
     run_interpreted(__file__)
 
 
-def check(dtype: torch.dtype, l2norm: bool, seed: int) -> None:
+def check(
+    dtype: torch.dtype, l2norm: bool, seed: int, chain_seed: bool = False, budget: int = 17
+) -> None:
+    """``budget`` 17 at depth 3: 2 + 4 + 8 = 14 prefixes exist, 3 padding slots. With
+    ``chain_seed`` the leading slots are a chain (walked by the root's program), and
+    ``budget`` <= 3 makes the whole tree one."""
     from ddtree.kernels.gdn_tree import tree_gdn_fused
 
     gen = torch.Generator().manual_seed(seed)
-    batch, depth, budget = 2, 3, 17  # 2 + 4 + 8 = 14 prefixes exist: 3 padding slots
-    trees = ddtree.build_tree(torch.randn(batch, depth, 2, generator=gen) * 2, budget)
+    batch, depth = 2, 3
+    logits = torch.randn(batch, depth, 2, generator=gen) * 2
+    trees = ddtree.build_tree(logits, budget, chain_seed=chain_seed)
     n, heads, heads_v, dim_k, dim_v = budget + 1, 2, 4, 16, 24
 
     def rand(*shape):
@@ -42,8 +48,12 @@ def check(dtype: torch.dtype, l2norm: bool, seed: int) -> None:
     got = tree_gdn_fused(
         *inputs, state, trees.ancestors, trees.depths, use_qk_l2norm=l2norm, block_v=16
     )
-    assert (trees.parents[:, 1:] < 0).any(), "the case should hold padding slots"
+    if budget > depth:
+        assert (trees.parents[:, 1:] < 0).any(), "the case should hold padding slots"
     torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+    if chain_seed:
+        chain = min(depth, budget)
+        assert torch.equal(trees.parents[:, 1 : 1 + chain], torch.arange(chain).expand(batch, -1))
 
     # The commit: each request's accepted path replayed into its own slot of a state cache
     # (other slots untouched), equal to the reference's replay and to the tree's node state.
@@ -73,6 +83,42 @@ def check(dtype: torch.dtype, l2norm: bool, seed: int) -> None:
         torch.testing.assert_close(
             cache[slots[r]], node_states[r, node].float(), atol=1e-4, rtol=1e-4
         )
+
+
+def check_leading_chains() -> None:
+    """Trees whose leading chain ends early or is absent: slot 2 a sibling of slot 1, a
+    padding tree (every slot its own ancestor at depth 0, a request without drafts), slot 1
+    a child of the root but slot 2 its grandchild's sibling. The kernel's per-node replay
+    and the root's chain walk must agree with the reference wherever the chain ends."""
+    from ddtree.gdn import tree_gdn
+    from ddtree.kernels.gdn_tree import tree_gdn_fused
+    from ddtree.tree import _ancestry
+
+    gen = torch.Generator().manual_seed(7)
+    parents = torch.tensor(
+        [
+            [-1, 0, 0, 1, 2, 3],  # chain 1 only: slot 2 is a child of the root
+            [-1, 0, 1, 2, 1, 4],  # chain 1..3, then a branch off slot 1
+            [-1, 0, 1, 0, 3, 4],  # chain 1..2
+        ]
+    )
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3], [0, 1, 2, 3, 2, 3], [0, 1, 2, 1, 2, 3]])
+    padding = torch.arange(6)[:, None].expand(6, 4)  # every slot its own ancestor
+    ancestors = torch.cat([_ancestry(parents, 3)[0], padding[None]])
+    depths = torch.cat([depths, torch.zeros(1, 6, dtype=torch.long)])
+    parents = torch.cat([parents, torch.full((1, 6), -1)])
+    batch, n, heads, heads_v, dim_k, dim_v = 4, 6, 1, 2, 8, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    inputs = [rand(batch, n, heads, dim_k), rand(batch, n, heads, dim_k),
+              rand(batch, n, heads_v, dim_v), -torch.rand(batch, n, heads_v, generator=gen),
+              torch.rand(batch, n, heads_v, generator=gen)]  # fmt: skip
+    state = rand(batch, heads_v, dim_v, dim_k) * 0.5
+    want, _ = tree_gdn(*inputs, state, parents)
+    got = tree_gdn_fused(*inputs, state, ancestors, depths, block_v=8)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
 def check_conv(dtype: torch.dtype, seed: int) -> None:
@@ -108,3 +154,6 @@ if __name__ == "__main__":
         [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)]
     ):
         check(dtype, l2norm, seed)
+    check(torch.float32, True, 3, chain_seed=True)
+    check(torch.bfloat16, True, 4, chain_seed=True, budget=3)  # a chain-sized tree
+    check_leading_chains()

@@ -4,10 +4,18 @@ Torch reference: :func:`ddtree.gdn.tree_gdn` (same math as vLLM's recurrent kern
 norm in the kernel, ``S = exp(g) S``, ``S += beta (v - S k) k^T``, ``o = S q``). Each program
 takes one (node, value head, V-tile): it loads the request's cached state tile ``[BV, K]`` and
 replays the node's root path (root first, ``depth + 1`` tokens, read from the k-th-ancestor
-table) in registers, then writes the node's output. No per-node state is stored: the commit
-replays the accepted path the same way, into the request's own state slot
-(:func:`replay_path_fused`; torch reference :func:`ddtree.gdn.replay_path`). Work grows with
-``N x (D + 1)`` state updates per head; a tree-masked chunked form is the faster next step.
+table) in registers, then writes the node's output.
+
+The tree's leading chain (slots 1..m, slot i at depth i the child of slot i - 1: the forced
+chain of a chain-seeded tree, or all of a chain-sized one) is walked once, by the root's
+program, which writes each of those nodes' outputs on the way; their own programs return. A
+chain of 1 + D nodes thus costs D + 1 state updates, as vLLM's chain kernel does, instead of
+(D + 1)(D + 2) / 2: the step of a chain-sized tree at large batches, where every SM is busy.
+
+No per-node state is stored: the commit replays the accepted path the same way, into the
+request's own state slot (:func:`replay_path_fused`; torch reference
+:func:`ddtree.gdn.replay_path`). Off-chain nodes still cost ``depth + 1`` updates each; a
+tree-masked chunked form is the faster next step for wide trees.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ def _delta_rule_step(state, k_row, v_row, g_at, beta_at, offs_k, mask_k, offs_v,
 @triton.jit
 def _tree_gdn_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ancestors_ptr, depths_ptr,
-    out_ptr, n_slots, heads_v, ratio, dim_v, scale, eps,
+    out_ptr, n_slots, heads_v, ratio, dim_v, scale, eps, max_depth,
     s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn,
     s_sb, s_sh, s_sv, s_ab, s_an, s_db, s_ob, s_on, s_oh,
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
@@ -56,6 +64,17 @@ def _tree_gdn_kernel(
     hv = tl.program_id(1)
     req = node // n_slots
     slot = node % n_slots
+    # The leading chain's length m: slots 1..m each at depth i with parent i - 1.
+    chain = 0
+    alive = 1
+    for i in range(1, max_depth + 1):
+        inside = i < n_slots
+        at_i = tl.load(depths_ptr + req * s_db + i, mask=inside, other=-1)
+        parent_i = tl.load(ancestors_ptr + req * s_ab + i * s_an + 1, mask=inside, other=-1)
+        alive = alive * ((at_i == i) & (parent_i == i - 1)).to(tl.int32)
+        chain += alive
+    if (slot >= 1) & (slot <= chain):
+        return  # the root's program writes this node
     h = hv // ratio
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -71,17 +90,22 @@ def _tree_gdn_kernel(
         other=0.0,
     ).to(tl.float32)  # [BV, BK]
     depth = tl.load(depths_ptr + req * s_db + slot)
-    for step in range(0, depth + 1):  # root first: ancestor level depth, depth-1, ..., 0
-        at = tl.load(ancestors_ptr + req * s_ab + slot * s_an + depth - step)
+    walk = slot == 0  # the root walks the leading chain: slot = depth = step
+    steps = tl.where(walk, chain, depth) + 1
+    for step in range(0, steps):  # root first: ancestor level depth, depth-1, ..., 0
+        level = tl.maximum(depth - step, 0)
+        at = tl.load(ancestors_ptr + req * s_ab + slot * s_an + level).to(tl.int64)
+        at = tl.where(walk, step, at)
         gb = req * s_gb + at * s_gn + hv
         state = _delta_rule_step(state, k_ptr + req * s_kb + at * s_kn + h * s_kh,
                                  v_ptr + req * s_vb + at * s_vn + hv * s_vh, g_ptr + gb,
                                  beta_ptr + gb, offs_k, mask_k, offs_v, mask_v, eps,
                                  L2NORM)  # fmt: skip
-    q_row = q_ptr + req * s_qb + slot * s_qn + h * s_qh
-    qq = _l2norm(tl.load(q_row + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
-    out = tl.sum(state * (qq * scale)[None, :], 1)  # [BV]
-    tl.store(out_ptr + req * s_ob + slot * s_on + hv * s_oh + offs_v, out, mask=mask_v)
+        if walk | (step == steps - 1):  # a chain node's output, or this node's
+            q_row = q_ptr + req * s_qb + at * s_qn + h * s_qh
+            qq = _l2norm(tl.load(q_row + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
+            out = tl.sum(state * (qq * scale)[None, :], 1)  # [BV]
+            tl.store(out_ptr + req * s_ob + at * s_on + hv * s_oh + offs_v, out, mask=mask_v)
 
 
 def tree_gdn_fused(
@@ -131,7 +155,7 @@ def tree_gdn_fused(
         q, k, v, g, beta, state, state if state_slots is None else state_slots, ancestors,
         depths, out,
         n_slots, heads_v, heads_v // heads, dim_v,
-        dim_k**-0.5 if scale is None else scale, l2norm_eps,
+        dim_k**-0.5 if scale is None else scale, l2norm_eps, ancestors.shape[2] - 1,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
