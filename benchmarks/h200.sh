@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
-#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~15 min on
+#   bash benchmarks/h200.sh check    # all GPU tests + the greedy equality suite (~20 min on
 #                                    # a cold machine: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
@@ -57,7 +57,7 @@ smoke)
 check)
   gpu_tests 420
   numerics
-  equality 720
+  equality 900  # 28 engines, ~30 s each
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)
   numerics
