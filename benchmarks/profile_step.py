@@ -5,6 +5,10 @@ in-process engine (so the profiler sees the engine's kernels), kernels grouped a
 
 Writes DIR/profile_<engine>_c<c>.txt (top kernels by CUDA time, per step) and prints a
 summary line per run: ms of GPU time per engine step and the share of DDTree's own kernels.
+With ``--host``, one more run under cProfile (the engine core runs in this process: scheduler,
+runner, drafter, sampler) writes DIR/host_<engine>_c<c>.txt: Python functions by own and by
+cumulative time per step, where a step's host time goes (the bundled pair's steps are
+host-bound: its GPU work is ~1 ms of a 5-8 ms step).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ def main() -> None:
     parser.add_argument("--dummy-shapes", action="store_true", help="Qwen3-8B shapes")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--host", action="store_true", help="also a cProfile run of the host")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -88,7 +93,36 @@ def main() -> None:
     for e in top:
         per_step = e.self_device_time_total / 1e3 / num_steps
         print(f"  {per_step:7.3f} ms/step {e.count // num_steps:4d}x {e.key[:90]}")
+    if args.host:
+        host_profile(llm, prompts, params, steps, args.out / f"host_{name}.txt")
     llm.llm_engine.engine_core.shutdown()
+
+
+def host_profile(llm, prompts, params, steps, path: Path) -> None:
+    """One more generate under cProfile: host seconds per step by function."""
+    import cProfile
+    import io
+    import pstats
+
+    before = steps()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    seconds = time.perf_counter() - start
+    num_steps = steps() - before
+    text = io.StringIO()
+    per_step = 1e3 * seconds / num_steps
+    text.write(
+        f"{path.stem}: {num_steps} steps, {per_step:.2f} ms wall per step under cProfile "
+        "(its overhead included: compare engines, not absolutes)\n"
+    )
+    for order in ("tottime", "cumulative"):
+        text.write(f"\n--- by {order} (seconds over {num_steps} steps) ---\n")
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    path.write_text(text.getvalue())
+    print(text.getvalue().splitlines()[0])
 
 
 if __name__ == "__main__":
