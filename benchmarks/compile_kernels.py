@@ -168,15 +168,16 @@ def main() -> None:
 
 def gdn_kernels(dtype: str, arch: int) -> None:
     """The tree GDN kernels (recurrence, path replay, conv) at Qwen3.6-27B shapes (K = V = 128)."""
-    ints = ("n_slots", "heads_v", "ratio", "dim_v", "max_depth", *(f"s_{x}" for x in (
+    ints = ("n_slots", "n_runs", "run_nodes", "ratio", "dim_v", *(f"s_{x}" for x in (
         "qb", "qn", "qh", "kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn",
-        "sb", "sh", "sv", "ab", "an", "db", "ob", "on", "oh")))  # fmt: skip
+        "sb", "sh", "sv", "ab", "an", "rb", "ob", "on", "oh")))  # fmt: skip
     compile_one(
         f"gdn._tree_gdn_kernel K=128 BV=32 {dtype}",
         gdn_tree._tree_gdn_kernel,
         {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
          "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64",
-         "ancestors_ptr": "*i64", "depths_ptr": "*i64", "out_ptr": "*fp32",
+         "ancestors_ptr": "*i64", "chain_ptr": "*i32", "order_ptr": "*i32",
+         "branch_ptr": "*i32", "length_ptr": "*i32", "out_ptr": "*fp32",
          **{name: "i32" for name in ints}, "scale": "fp32", "eps": "fp32"},
         {"K": 128, "BK": 128, "BV": 32, "L2NORM": True, "SLOTS": True},
         4, arch,

@@ -4,7 +4,9 @@
 Shapes: 16 key heads, 48 value heads, head size 128 (Qwen3.6-27B's linear-attention layers),
 bf16 q/k/v, float32 state. For T tokens per request (T = 1 + B tree slots, or a T-token chain):
 
-- ``tree_ms``: ``tree_gdn_fused`` on a DDTree tree of budget T - 1 (depth 15, random drafts);
+- ``tree_ms``: ``tree_gdn_fused`` on a DDTree tree of budget T - 1 (depth 15, random drafts,
+  the forced chain as engines build it), its default work split; ``variants``: the same with
+  other runs / value tiles / warps (``run_nodes`` nodes per program, ``block_v``, ``warps``);
 - ``chain_ms``: vLLM's ``fused_recurrent_gated_delta_rule`` on a chain of T tokens as a DFlash
   chain's verify calls it per GDN layer (varlen, every token's state written to its own slot);
 - ``tree_err`` / ``chain_err``: max |out - float64 reference| / RMS(reference) (the tree's
@@ -19,6 +21,7 @@ bf16 q/k/v, float32 state. For T tokens per request (T = 1 + B tree slots, or a 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -39,7 +42,7 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
 
     import ddtree
     from ddtree.gdn import chain_gdn, tree_gdn
-    from ddtree.kernels.gdn_tree import tree_gdn_fused
+    from ddtree.kernels.gdn_tree import default_run_nodes, tree_gdn_fused, tree_runs
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -56,8 +59,14 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
     ancestors, depths = trees.ancestors.contiguous(), trees.depths.contiguous()
     out = torch.empty(batch, tokens, HEADS_V, DIM, device="cuda")
 
-    def tree():
-        tree_gdn_fused(q, k, v, g, beta, state, ancestors, depths, use_qk_l2norm=True, out=out)
+    # the engine's split, made once per step for all layers: not part of a layer's time
+    default = tree_runs(ancestors, depths, default_run_nodes(batch, tokens, HEADS_V * DIM // 32))
+
+    def tree(**variant):
+        variant.setdefault("runs", default)
+        tree_gdn_fused(
+            q, k, v, g, beta, state, ancestors, depths, use_qk_l2norm=True, out=out, **variant
+        )
 
     # vLLM's chain verify: requests flattened with cu_seqlens, every token's state written to
     # its own slot (slot 0 is vLLM's null block), the start state read from slot [b, 0].
@@ -75,8 +84,16 @@ def measure(batch: int, tokens: int, seed: int = 0) -> dict:
         )  # fmt: skip
         return got.view(batch, tokens, HEADS_V, DIM)
 
-    row = {"batch": batch, "tokens": tokens}
+    row = {"batch": batch, "tokens": tokens, "run_nodes": default.run_nodes}
     row["tree_ms"] = timed(tree, "cuda", 20) * 1e3
+    row["variants"] = {}
+    for run_nodes in (1, 4, 8):
+        runs = tree_runs(ancestors, depths, run_nodes)
+        for block_v, warps in ((32, 4), (16, 4), (32, 8)):
+            name = f"run{run_nodes}_bv{block_v}_w{warps}"
+            variant = dict(runs=runs, block_v=block_v, num_warps=warps)
+            run = functools.partial(tree, **variant)
+            row["variants"][name] = timed(run, "cuda", 20) * 1e3
     row["chain_ms"] = timed(chain, "cuda", 20) * 1e3
     row["tree_err"] = row["chain_err"] = None
     if batch > 1:  # the references keep every token's float64 state: batch 1 only
@@ -119,7 +136,8 @@ def measure_layer(batch: int, tokens: int, seed: int = 0) -> dict:
     channels, num_tokens = 2 * key + value, batch * tokens
     depth = 15
     tables = TreeTables(batch, tokens - 1, depth, cuda)
-    trees = ddtree.build_tree(rand(batch, depth, 5000, dtype=torch.float32, scale=3), tokens - 1)
+    logits = rand(batch, depth, 5000, dtype=torch.float32, scale=3)
+    trees = ddtree.build_tree(logits, tokens - 1, chain_seed=True)  # as engines build them
     tables.store(torch.arange(batch, device=cuda), trees)
     tables.tree_rows[:batch] = torch.arange(batch, device=cuda, dtype=torch.int32)
     blocks = 1 + batch * tokens  # the chain's per-token blocks; DDTree reads blocks 1..batch
@@ -215,6 +233,12 @@ def main() -> int:
             f"{_fmt(r['tree_err'])} | {_fmt(r['chain_err'])} | {_ms(r['layer_tree_ms'])} | "
             f"{_ms(r['layer_chain_ms'])} |"
         )
+    names = list(rows[0]["variants"])
+    print(f"\nTree kernel variants, ms\n| batch | T | {' | '.join(names)} |")
+    print("|---:|---:|" + "---:|" * len(names))
+    for r in rows:
+        cells = " | ".join(f"{r['variants'][n]:.3f}" for n in names)
+        print(f"| {r['batch']} | {r['tokens']} | {cells} |")
     for r in rows:
         for key in ("layer_tree_error", "layer_chain_error"):
             if key in r:

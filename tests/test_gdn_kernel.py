@@ -27,7 +27,7 @@ def check(
     """``budget`` 17 at depth 3: 2 + 4 + 8 = 14 prefixes exist, 3 padding slots. With
     ``chain_seed`` the leading slots are a chain (walked by the root's program), and
     ``budget`` <= 3 makes the whole tree one."""
-    from ddtree.kernels.gdn_tree import tree_gdn_fused
+    from ddtree.kernels.gdn_tree import tree_gdn_fused, tree_runs
 
     gen = torch.Generator().manual_seed(seed)
     batch, depth = 2, 3
@@ -45,9 +45,13 @@ def check(
     state = rand(batch, heads_v, dim_v, dim_k) * 0.5
     inputs = [t.to(dtype) for t in (q, k, v, g, beta)]
     want, _ = tree_gdn(*inputs, state, trees.parents, use_qk_l2norm=l2norm)
-    got = tree_gdn_fused(
-        *inputs, state, trees.ancestors, trees.depths, use_qk_l2norm=l2norm, block_v=16
-    )
+    for run_nodes in (1, 3, 8):  # runs of off-chain nodes sharing one walk of the chain
+        runs = tree_runs(trees.ancestors, trees.depths, run_nodes)
+        got = tree_gdn_fused(
+            *inputs, state, trees.ancestors, trees.depths, use_qk_l2norm=l2norm, block_v=16,
+            runs=runs,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
     if budget > depth:
         assert (trees.parents[:, 1:] < 0).any(), "the case should hold padding slots"
     torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
@@ -91,7 +95,7 @@ def check_leading_chains() -> None:
     a child of the root but slot 2 its grandchild's sibling. The kernel's per-node replay
     and the root's chain walk must agree with the reference wherever the chain ends."""
     from ddtree.gdn import tree_gdn
-    from ddtree.kernels.gdn_tree import tree_gdn_fused
+    from ddtree.kernels.gdn_tree import tree_gdn_fused, tree_runs
     from ddtree.tree import _ancestry
 
     gen = torch.Generator().manual_seed(7)
@@ -117,8 +121,20 @@ def check_leading_chains() -> None:
               torch.rand(batch, n, heads_v, generator=gen)]  # fmt: skip
     state = rand(batch, heads_v, dim_v, dim_k) * 0.5
     want, _ = tree_gdn(*inputs, state, parents)
-    got = tree_gdn_fused(*inputs, state, ancestors, depths, block_v=8)
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    runs = tree_runs(ancestors, depths, 2)
+    assert runs.chain.tolist() == [1, 3, 2, 0]
+    # (a chain node's branch point is itself, with no own steps)
+    assert runs.branch[:3].tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 3, 1, 1],
+                                        [0, 1, 2, 0, 0, 0]]  # fmt: skip
+    assert runs.length[:3].tolist() == [[0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 1, 2],
+                                        [0, 0, 0, 1, 2, 3]]  # fmt: skip
+    assert runs.order.tolist()[0] == [2, 4, 3, 5, -1, -1]  # by branch point, then slot
+    assert runs.order.tolist()[3] == [1, 2, 3, 4, 5, -1]  # padding: from the cached state
+    assert runs.branch[3].tolist()[1:] == [-1] * 5 and runs.length[3].tolist()[1:] == [1] * 5
+    for run_nodes in (1, 2, 5):
+        runs = tree_runs(ancestors, depths, run_nodes)
+        got = tree_gdn_fused(*inputs, state, ancestors, depths, block_v=8, runs=runs)
+        torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
 def check_conv(dtype: torch.dtype, seed: int) -> None:

@@ -20,6 +20,8 @@ tree-masked chunked form is the faster next step for wide trees.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,30 +53,84 @@ def _delta_rule_step(state, k_row, v_row, g_at, beta_at, offs_k, mask_k, offs_v,
     return state + delta[:, None] * kk[None, :]
 
 
+@dataclass
+class TreeRuns:
+    """How :func:`tree_gdn_fused` splits a batch of trees over its programs (fixed shapes).
+
+    A tree's leading chain (slots 1..m, slot i at depth i the child of slot i - 1: a
+    chain-seeded tree's forced chain) is walked once, by one program per request. Every other
+    node branches off that chain at its deepest chain ancestor ``b`` and then has ``L`` nodes of
+    its own (itself included); the off-chain nodes, sorted by ``b``, are cut into runs of
+    ``run_nodes``. A run's program walks the chain forward once for all its nodes and
+    replays each node's own ``L`` steps from a copy: ``max b + 1 + sum L`` state updates per
+    run instead of ``sum (depth + 1)``.
+    """
+
+    chain: torch.Tensor  # int32 [b]: m, the leading chain's length
+    order: torch.Tensor  # int32 [b, N]: off-chain slots sorted by branch point, then -1
+    branch: torch.Tensor  # int32 [b, N]: b, the branch point's slot (= its depth); -1: none
+    length: torch.Tensor  # int32 [b, N]: L, the node's own steps after its branch point
+    run_nodes: int
+
+    @property
+    def num_runs(self) -> int:
+        return -(-(self.order.shape[1] - 1) // self.run_nodes)  # the root is never off-chain
+
+
+def tree_runs(ancestors: torch.Tensor, depths: torch.Tensor, run_nodes: int) -> TreeRuns:
+    """:class:`TreeRuns` of trees given by ``ancestors [b, N, D+1]`` (k-th ancestor, saturating
+    at the root; a padding slot is its own ancestor) and ``depths [b, N]`` (padding: 0). A
+    padding slot never reaches the chain: it starts from the cached state (``b = -1``) and
+    replays its own token (``L = depth + 1``), as :func:`ddtree.gdn.tree_gdn` treats it."""
+    if run_nodes < 1:
+        raise ValueError(f"run_nodes must be >= 1, got {run_nodes}")
+    batch, n_slots, levels = ancestors.shape
+    ancestors, depths = ancestors.long(), depths.long()
+    step = torch.arange(1, min(levels - 1, n_slots - 1) + 1, device=ancestors.device)
+    links = (depths[:, step] == step) & (ancestors[:, step, 1] == step - 1)  # [b, <= D]
+    chain = links.long().cumprod(1).sum(1)  # [b]
+    slot = torch.arange(n_slots, device=ancestors.device)
+    on_chain = slot <= chain[:, None]  # [b, N]
+    reaches = ancestors <= chain[:, None, None]  # [b, N, D+1]: k-th ancestor on the chain
+    first = reaches.int().argmax(2)  # [b, N]: the first such k (0 where none)
+    found = reaches.any(2)
+    length = torch.where(found, first, depths + 1)
+    branch = torch.where(found, ancestors.gather(2, first[..., None])[..., 0], -1)
+    big = levels + 1  # after every branch point: the chain's own slots, sorted last
+    key = torch.where(on_chain, big, branch + 1)
+    sorted_key, order = torch.sort(key, dim=1, stable=True)
+    order = torch.where(sorted_key < big, order, -1)
+    return TreeRuns(chain.int(), order.int(), branch.int(), length.int(), run_nodes)
+
+
+def default_run_nodes(batch: int, n_slots: int, programs_per_node: int) -> int:
+    """Nodes per run: 1 (every node its own program, the most parallel) until the grid holds
+    ~32k programs, then up to 8 (fewer chain walks where all SMs are busy anyway)."""
+    run = 1
+    while run < 8 and batch * n_slots * programs_per_node >= 32768 * 2 * run:
+        run *= 2
+    return run
+
+
 @triton.jit
 def _tree_gdn_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ancestors_ptr, depths_ptr,
-    out_ptr, n_slots, heads_v, ratio, dim_v, scale, eps, max_depth,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ancestors_ptr,
+    chain_ptr, order_ptr, branch_ptr, length_ptr,
+    out_ptr, n_slots, n_runs, run_nodes, ratio, dim_v, scale, eps,
     s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn,
-    s_sb, s_sh, s_sv, s_ab, s_an, s_db, s_ob, s_on, s_oh,
+    s_sb, s_sh, s_sv, s_ab, s_an, s_rb, s_ob, s_on, s_oh,
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
     SLOTS: tl.constexpr,
 ):  # fmt: skip
-    node = tl.program_id(0)
+    """Program (request, run 0: the leading chain / run r: off-chain nodes of run r - 1)."""
+    pid = tl.program_id(0)
     hv = tl.program_id(1)
-    req = node // n_slots
-    slot = node % n_slots
-    # The leading chain's length m: slots 1..m each at depth i with parent i - 1.
-    chain = 0
-    alive = 1
-    for i in range(1, max_depth + 1):
-        inside = i < n_slots
-        at_i = tl.load(depths_ptr + req * s_db + i, mask=inside, other=-1)
-        parent_i = tl.load(ancestors_ptr + req * s_ab + i * s_an + 1, mask=inside, other=-1)
-        alive = alive * ((at_i == i) & (parent_i == i - 1)).to(tl.int32)
-        chain += alive
-    if (slot >= 1) & (slot <= chain):
-        return  # the root's program writes this node
+    req = pid // (n_runs + 1)
+    run = pid % (n_runs + 1)
+    first = (run - 1) * run_nodes
+    if run > 0:
+        if tl.load(order_ptr + req * s_rb + first) < 0:
+            return  # past this request's off-chain nodes
     h = hv // ratio
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -84,28 +140,46 @@ def _tree_gdn_kernel(
     cell = req
     if SLOTS:  # the request's state lives in a cache slot
         cell = tl.load(slots_ptr + req).to(tl.int64)
-    state = tl.load(
+    chain = tl.load(
         state_ptr + cell * s_sb + hv * s_sh + offs_v[:, None] * s_sv + offs_k[None, :],
         mask=tile,
         other=0.0,
-    ).to(tl.float32)  # [BV, BK]
-    depth = tl.load(depths_ptr + req * s_db + slot)
-    walk = slot == 0  # the root walks the leading chain: slot = depth = step
-    steps = tl.where(walk, chain, depth) + 1
-    for step in range(0, steps):  # root first: ancestor level depth, depth-1, ..., 0
-        level = tl.maximum(depth - step, 0)
-        at = tl.load(ancestors_ptr + req * s_ab + slot * s_an + level).to(tl.int64)
-        at = tl.where(walk, step, at)
-        gb = req * s_gb + at * s_gn + hv
-        state = _delta_rule_step(state, k_ptr + req * s_kb + at * s_kn + h * s_kh,
-                                 v_ptr + req * s_vb + at * s_vn + hv * s_vh, g_ptr + gb,
-                                 beta_ptr + gb, offs_k, mask_k, offs_v, mask_v, eps,
-                                 L2NORM)  # fmt: skip
-        if walk | (step == steps - 1):  # a chain node's output, or this node's
-            q_row = q_ptr + req * s_qb + at * s_qn + h * s_qh
-            qq = _l2norm(tl.load(q_row + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
-            out = tl.sum(state * (qq * scale)[None, :], 1)  # [BV]
-            tl.store(out_ptr + req * s_ob + at * s_on + hv * s_oh + offs_v, out, mask=mask_v)
+    ).to(tl.float32)  # [BV, BK]: the state after chain slot `walked`
+    k_at = k_ptr + req * s_kb + h * s_kh
+    v_at = v_ptr + req * s_vb + hv * s_vh
+    g_at = g_ptr + req * s_gb + hv
+    b_at = beta_ptr + req * s_gb + hv
+    q_at = q_ptr + req * s_qb + h * s_qh
+    o_at = out_ptr + req * s_ob + hv * s_oh + offs_v
+    if run == 0:  # the leading chain: every chain node's output on the way
+        for at in range(0, tl.load(chain_ptr + req) + 1):
+            chain = _delta_rule_step(chain, k_at + at * s_kn, v_at + at * s_vn, g_at + at * s_gn,
+                                     b_at + at * s_gn, offs_k, mask_k, offs_v, mask_v, eps,
+                                     L2NORM)  # fmt: skip
+            qq = _l2norm(tl.load(q_at + at * s_qn + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
+            tl.store(o_at + at * s_on, tl.sum(chain * (qq * scale)[None, :], 1), mask=mask_v)
+    else:
+        walked = -1  # before the root
+        for i in range(0, run_nodes):
+            node = tl.load(order_ptr + req * s_rb + first + i, mask=first + i < n_slots, other=-1)
+            if node >= 0:
+                branch = tl.load(branch_ptr + req * s_rb + node)
+                for at in range(walked + 1, branch + 1):  # the chain forward to the branch
+                    chain = _delta_rule_step(chain, k_at + at * s_kn, v_at + at * s_vn,
+                                             g_at + at * s_gn, b_at + at * s_gn, offs_k,
+                                             mask_k, offs_v, mask_v, eps, L2NORM)  # fmt: skip
+                walked = tl.maximum(walked, branch)
+                own = tl.load(length_ptr + req * s_rb + node)
+                state = chain
+                for j in range(0, own):  # the node's own path, its first step first
+                    up = tl.load(ancestors_ptr + req * s_ab + node * s_an + own - 1 - j)
+                    state = _delta_rule_step(state, k_at + up * s_kn, v_at + up * s_vn,
+                                             g_at + up * s_gn, b_at + up * s_gn, offs_k,
+                                             mask_k, offs_v, mask_v, eps, L2NORM)  # fmt: skip
+                qq = _l2norm(tl.load(q_at + node * s_qn + offs_k, mask=mask_k, other=0.0), eps,
+                             L2NORM)  # fmt: skip
+                tl.store(o_at + node * s_on, tl.sum(state * (qq * scale)[None, :], 1),
+                         mask=mask_v)  # fmt: skip
 
 
 def tree_gdn_fused(
@@ -124,6 +198,8 @@ def tree_gdn_fused(
     out: torch.Tensor | None = None,
     block_v: int = 32,
     state_slots: torch.Tensor | None = None,
+    runs: TreeRuns | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Every node's GDN output ``[b, N, HV, V]`` float32: its root path's recurrence from the
     request's cached ``state [b, HV, V, K]`` (or, with ``state_slots [b]``, from
@@ -132,7 +208,9 @@ def tree_gdn_fused(
     ``q, k [b, N, H, K]``, ``v [b, N, HV, V]``, ``g, beta [b, N, HV]`` (log-decay, write
     strength), ``ancestors [b, N, D + 1]`` (k-th ancestor, saturating at the root; padding
     slots point at themselves) and ``depths [b, N]`` of :class:`ddtree.tree.DraftTree`; padding
-    slots (depth 0) start from the cached state, as in :func:`ddtree.gdn.tree_gdn`.
+    slots (depth 0) start from the cached state, as in :func:`ddtree.gdn.tree_gdn`. ``runs``:
+    :func:`tree_runs` of these trees (made here when None; an engine makes it once per step
+    for all its layers).
     """
     check_device(q, k, v, g, beta, state, ancestors, depths)
     batch, n_slots, heads, dim_k = k.shape
@@ -145,24 +223,28 @@ def tree_gdn_fused(
     for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
         if t.stride(-1) != 1:
             raise ValueError(f"tree_gdn_fused: {name} must have a contiguous last dim")
-    g, beta = g.contiguous(), beta.contiguous()
-    ancestors, depths = ancestors.contiguous(), depths.contiguous()
+    g, beta, ancestors = g.contiguous(), beta.contiguous(), ancestors.contiguous()
+    block_v = min(block_v, next_pow2(dim_v))
+    tiles = triton.cdiv(dim_v, block_v)
+    if runs is None:
+        runs = tree_runs(ancestors, depths, default_run_nodes(batch, n_slots, heads_v * tiles))
+    if tuple(runs.order.shape) != (batch, n_slots):
+        raise ValueError(f"runs are for trees {list(runs.order.shape)}, not {[batch, n_slots]}")
     if out is None:
         out = torch.empty(batch, n_slots, heads_v, dim_v, dtype=torch.float32, device=v.device)
-    block_v = min(block_v, next_pow2(dim_v))
-    grid = (batch * n_slots, heads_v, triton.cdiv(dim_v, block_v))
+    grid = (batch * (runs.num_runs + 1), heads_v, tiles)
     _tree_gdn_kernel[grid](
         q, k, v, g, beta, state, state if state_slots is None else state_slots, ancestors,
-        depths, out,
-        n_slots, heads_v, heads_v // heads, dim_v,
-        dim_k**-0.5 if scale is None else scale, l2norm_eps, ancestors.shape[2] - 1,
+        runs.chain, runs.order, runs.branch, runs.length, out,
+        n_slots, runs.num_runs, runs.run_nodes, heads_v // heads, dim_v,
+        dim_k**-0.5 if scale is None else scale, l2norm_eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
-        ancestors.stride(0), ancestors.stride(1), depths.stride(0),
+        ancestors.stride(0), ancestors.stride(1), runs.order.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
-        SLOTS=state_slots is not None,
+        SLOTS=state_slots is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
 

@@ -33,6 +33,8 @@ from ddtree import gdn
 from ddtree.vllm_plugin.gdn import conv_cache, conv_weight
 from ddtree.vllm_plugin.v2.engine import TreeTables
 
+GDN_BLOCK_V = 32  # value rows per program of the tree recurrence kernel
+
 log = logging.getLogger("vllm.ddtree")
 
 
@@ -78,6 +80,7 @@ class TreeLayout:
     ancestors: torch.Tensor  # [R, Q, D+1] ancestor slots (padding: itself)
     node_of_token: torch.Tensor  # [T] flat (request, slot) of each token row
     is_tree: torch.Tensor  # [T] bool: the token row is a tree node
+    runs: Any  # ddtree.kernels.gdn_tree.TreeRuns: the recurrence kernel's work split
 
 
 class TreeGDN:
@@ -184,6 +187,8 @@ class TreeGDN:
                     f"{self.first_layer} of its forward"
                 )
             return cached
+        from ddtree.kernels.gdn_tree import default_run_nodes, tree_runs
+
         tables = self.tables
         width = tables.tokens.shape[1]  # Q = 1 + B slots per request
         device = tables.tokens.device
@@ -197,16 +202,21 @@ class TreeGDN:
         token = torch.arange(num_tokens, device=device)
         req = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=num_reqs - 1)
         local = (token - qsl[req]).clamp(0, width - 1)
+        # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
+        depths = torch.where(valid, tables.depths[table], 0)
+        ancestors = torch.where(valid[..., None], tables.ancestors[table], slot[:, None])
+        heads_v = layer.num_v_heads // layer.tp_size
+        programs = heads_v * -(-layer.head_v_dim // GDN_BLOCK_V)  # per node and run
         self.layout = TreeLayout(
             num_tokens,
             num_reqs,
             has_tree=tree >= 0,
             rows=(start[:, None] + slot).clamp(max=num_tokens - 1),
-            # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
-            depths=torch.where(valid, tables.depths[table], 0),
-            ancestors=torch.where(valid[..., None], tables.ancestors[table], slot[:, None]),
+            depths=depths,
+            ancestors=ancestors,
             node_of_token=req * width + local,
             is_tree=valid[req, local] & (token - qsl[req] < width),
+            runs=tree_runs(ancestors, depths, default_run_nodes(num_reqs, width, programs)),
         )
         return self.layout
 
@@ -229,8 +239,9 @@ class TreeGDN:
         )  # fmt: skip
         q, k, v = split_qkv(layer, x_conv)
         out = tree_gdn_fused(
-            q, k, v, g, beta, ssm, step.ancestors, step.depths, state_slots=cache_slots
-        )  # [R, Q, HV, V] float32
+            q, k, v, g, beta, ssm, step.ancestors, step.depths, state_slots=cache_slots,
+            runs=step.runs, block_v=GDN_BLOCK_V,
+        )  # fmt: skip  # [R, Q, HV, V] float32
         node_out = out.flatten(0, 1)[step.node_of_token].to(core_attn_out.dtype)  # [T, HV, V]
         core_attn_out[:num_tokens] = torch.where(
             step.is_tree[:, None, None], node_out, core_attn_out[:num_tokens]
