@@ -38,6 +38,9 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from ddtree.bench.tau import held_out_prompts
+    from ddtree.vllm_plugin.patches import register
+
+    register()  # the engines run in this process: the plugin too, installed or only on the path
 
     target, drafter = ROOT / "models" / "target", ROOT / "models" / "drafter"
     prompts = [

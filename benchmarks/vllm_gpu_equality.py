@@ -207,6 +207,9 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         extra["language_model_only"] = True
         if torch.cuda.is_available():  # vLLM's default GDN prefill on sm90 needs flashinfer
             extra["additional_config"] = {"gdn_prefill_backend": "triton"}
+    if kind in ("pairpen", "pairjson"):
+        # Margins and logprobs after the penalties / grammar mask, what greedy decides on.
+        extra["logprobs_mode"] = "processed_logprobs"
     if kind == "pairpen":
         from ddtree.vllm_plugin import requests
 
@@ -234,7 +237,7 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     prompts = _prompts(kind, target)
     stop = [[], [], [202 if pair else 7], [], [], [], [10], []]  # 202: newline
     # no-spec: top-2 margins, to judge any divergence (pairopts: the options' logprobs only)
-    logprobs = 2 if spec is None and kind not in ("pairopts", "pairpen", "pairjson") else None
+    logprobs = 2 if spec is None and kind != "pairopts" else None
     options = {"pairopts": OPTIONS, "pairpen": PENALTIES}.get(kind, [{}] * len(MAX_TOKENS))
     if kind == "pairjson":
         from vllm.sampling_params import StructuredOutputsParams
@@ -309,9 +312,12 @@ def _logprobs(logprobs) -> list[dict[str, float]] | None:
 
 def _logprob_gap(a: list | None, b: list | None, equal_until: int) -> float | None:
     """Largest |logprob difference| over the positions both returned before the outputs part
-    (inf if the returned token sets differ there); None when neither asked for logprobs."""
-    if a is None or b is None:
-        return None if a is None and b is None else float("inf")
+    (inf if the returned token sets differ there, or only no-spec's ``a`` is missing); None
+    when the case's request ``b`` asked for none (no-spec may, for its margins)."""
+    if b is None:
+        return None
+    if a is None:
+        return float("inf")
     gap = 0.0
     for x, y in list(zip(a, b, strict=False))[:equal_until]:
         if x.keys() != y.keys():

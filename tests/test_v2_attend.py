@@ -49,3 +49,43 @@ def test_forced_chain_rows_take_the_backends_pass(monkeypatch):
     # a mixed step (prefill rows) always takes the backend's pass
     assert _attend(monkeypatch, False, 300, all_tree=False) == [("backend",), ("tree", 0)]
     assert _attend(monkeypatch, True, 300, all_tree=False) == [("backend",), ("tree", 16)]
+
+
+def test_chain_sized_trees_skip_the_drafters_reorder():
+    """A chain-seeded tree of K <= D drafts is its forced chain: every walk's path is slots
+    0..a in order, so the drafter's rows and positions are already in place. ``begin_step``
+    says so only then (``chain_trees``), and the speculator skips its reorder."""
+    import ddtree
+    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+    from ddtree.vllm_plugin.v2.prepare import begin_step
+
+    gen = torch.Generator().manual_seed(0)
+    depth, vocab = 6, 3
+    for budget in range(1, depth + 1):
+        logits = torch.randn(64, depth, vocab, generator=gen) * 2
+        tree = ddtree.build_tree(logits, budget, chain_seed=True)
+        # targets agreeing with the argmax chain for a random number of steps, then not
+        chain = logits.argmax(-1)
+        agree = torch.arange(depth) < torch.randint(0, depth + 1, (64, 1), generator=gen)
+        targets = torch.zeros(64, budget + 1, dtype=torch.long)
+        targets[:, :budget] = torch.where(
+            agree[:, :budget], chain[:, :budget], (chain[:, :budget] + 1) % vocab
+        )
+        path = ddtree.walk(tree, targets).path
+        slot = torch.arange(path.shape[1]).expand_as(path)
+        assert torch.equal(torch.where(path >= 0, slot, -1), path), budget
+        assert (path[:, 1:] >= 0).any()  # some walks leave the root
+
+    def flags(chain_seed: bool, drafts: dict) -> bool:
+        tables = TreeTables(4, 63, depth, torch.device("cpu"))
+        engine = TreeEngine(DDTreeOptions(63, chain_seed=chain_seed), depth, Settings(), tables)
+        out = SimpleNamespace(
+            scheduled_spec_decode_tokens=drafts, num_scheduled_tokens=dict.fromkeys(drafts, 1)
+        )
+        begin_step(engine, out, dummy_run=False)
+        return engine.chain_trees
+
+    assert flags(True, {"a": [1] * depth, "b": [2] * 3})
+    assert not flags(True, {"a": [1] * depth, "b": [2] * (depth + 1)})  # one wider tree
+    assert not flags(False, {"a": [1] * 3})  # a tree without its forced chain

@@ -101,6 +101,7 @@ class TreeEngine:
     all_tree: bool = False  # every request does (the backend's own pass is not needed)
     capturing: bool = False  # the runner is capturing its graphs (decode graphs: all tree)
     walked: bool = False  # the sampler walked trees this step (the drafter reorders)
+    chain_trees: bool = False  # every tree of the step is its forced chain: nothing to reorder
     uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
     acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE (made by the TreeSampler)
     tuner: Any = None  # tuner.BudgetTuner of an "auto" budget schedule (made with the engine)

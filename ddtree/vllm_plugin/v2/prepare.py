@@ -45,13 +45,17 @@ def check_settings(vllm_config) -> None:
 
 def begin_step(engine: TreeEngine, scheduler_output, dummy_run: bool) -> None:
     """Clear the step's flags; note whether every request verifies a tree (only then may a
-    uniform batch replay a verify graph)."""
-    engine.tree_step = engine.all_tree = False
+    uniform batch replay a verify graph) and whether every tree is its forced chain."""
+    engine.tree_step = engine.all_tree = engine.chain_trees = False
     if dummy_run:
         engine.uniform_trees = True
         return
     drafts = scheduler_output.scheduled_spec_decode_tokens
     engine.uniform_trees = all(drafts.get(r) for r in scheduler_output.num_scheduled_tokens)
+    # K <= D drafts of a chain-seeded tree are slots 1..K at depths 1..K: the walk's path is
+    # slots 0..a in order and the drafter's rows are already in place (no reorder).
+    longest = max((len(d) for d in drafts.values()), default=0)
+    engine.chain_trees = engine.options.chain_seed and longest <= engine.depth
 
 
 def prepare_step(engine: TreeEngine, input_batch) -> None:

@@ -130,7 +130,7 @@ def make_speculator_class(base):
             **kwargs,
         ):
             engine = self.engine
-            if engine.walked and not dummy_run:
+            if engine.walked and not engine.chain_trees and not dummy_run:
                 self._accepted_path_first(input_batch, aux_hidden_states or [last_hidden_states])
             engine.walked = False
             super().propose(
