@@ -614,3 +614,33 @@ def test_dummy_shape_checkpoints_load_and_pair(tmp_path, shapes):
         assert text.layer_types.count("linear_attention") == 48
         assert (text.linear_num_key_heads, text.linear_num_value_heads) == (16, 48)
         assert text.mtp_num_hidden_layers == 1
+
+
+def test_a_failed_engine_is_named_beside_the_table(tmp_path, monkeypatch):
+    """An engine that exits non-zero (e.g. a refused option) has no row: bench.md says so
+    instead of showing a table without it."""
+
+    class Exited:  # every engine process exits at once; the chain's wrote its rows first
+        def __init__(self, cmd, **kwargs):
+            name = cmd[cmd.index("--engine") + 1]
+            self.returncode = 0 if name == "dflash" else 1
+            if name == "dflash":
+                rows = [{**_row("dflash", 1, 0.0, 500.0, 2.0)}]
+                (tmp_path / "dflash.json").write_text(json.dumps({"rows": rows}))
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Exited)
+    monkeypatch.setattr(bench, "bench_prompts", lambda args: ([[1, 2, 3]], "test prompts"))
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: None)
+    args = argparse.Namespace(
+        out=tmp_path, engines=["dflash", "ddtree-15"], argv=[], concurrency=[1], input_len=None,
+        repeats=1, ddtree_schedules=[], ddtree_profile=None, ddtree_acceptance=None,
+        title="t", target=tmp_path,
+    )  # fmt: skip
+    rows = bench.drive(args)
+    table = (tmp_path / "bench.md").read_text()
+    assert [r["engine"] for r in rows] == ["dflash"]
+    assert "**ddtree-15: failed** (exit 1)" in table and "ddtree-15.log" in table
+    assert "| dflash |" in table

@@ -766,14 +766,20 @@ def drive(args) -> list[dict]:
         "runs": runs if args.repeats > 1 else None,
     }
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if rows:
-        table = summary_markdown(rows, args.engines)
+    failed = [n for n, p in procs.items() if p.returncode != 0]
+    if rows or failed:
+        table = summary_markdown(rows, args.engines) if rows else ""
         table += "".join(
             f"\nddtree-s{i}: budget per batch size {schedule_label(schedule)}\n"
             for i, schedule in enumerate(args.ddtree_schedules, 1)
         )
+        table += "".join(  # a failed engine has no row: say so beside the table
+            f"\n**{n}: failed** (exit {procs[n].returncode}), no measurements: see {n}.log\n"
+            for n in failed
+        )
         (out / "bench.md").write_text(table)
         print("\n" + table, flush=True)
+    if rows:
         plot(rows, out / "bench.png", args.title or Path(args.target).name)
     return rows
 
