@@ -255,6 +255,15 @@ def v2_glue_kernels(arch: int) -> None:
              "depths_stride": "i32", "num_reqs": "i32"},
             {"FIND_TREES": find, "AT_DEPTH": at_depth, "BLOCK": 128}, 4, arch,
         )  # fmt: skip
+    compile_one(
+        "v2._tail_inputs_kernel BLOCK=256", kernels._tail_inputs_kernel,
+        {"target_ptr": "*i64", **dict.fromkeys(("cu_logits_ptr", "seq_lens_ptr",
+         "prefill_len_ptr", "idx_mapping_ptr", "qsl_ptr", "tree_rows_ptr"), "*i32"),
+         **dict.fromkeys(("node_target_ptr", "num_logits_ptr", "chunk_ptr", "start_ptr"),
+                         "*i64"),
+         "active_ptr": "*i1", "num_reqs": "i32", "width": "i32"},
+        {"BLOCK": 256}, 4, arch,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -61,6 +61,22 @@ def test_commit_graph_moves_once():
     assert len(cache.entries) == 1
 
 
+def test_graph_reads_its_inputs_in_place():
+    """``inputs_in_place``: the caller refills the tensors the graph was captured with (the
+    tree sampler's per-bucket buffers); each replay sees the new values, no copies; another
+    tensor is refused."""
+    buffers = (torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda"))
+    cache = graphs.GraphCache(lambda a, b: a * 2 + b, inputs_in_place=True)
+    for step in range(3):
+        buffers[0].fill_(step)
+        buffers[1].copy_(torch.arange(4.0, device="cuda"))
+        got = cache(*buffers)
+        assert torch.equal(got, buffers[0] * 2 + buffers[1]), step
+    assert len(cache.entries) == 1
+    with pytest.raises(ValueError, match="same tensors"):
+        cache(torch.zeros(4, device="cuda"), buffers[1])
+
+
 @pytest.mark.parametrize("kernel", ["merge", "triton"])
 def test_tree_attention_at_512_slots_matches_reference(kernel):
     """B = 511: every slot of two requests (contexts 300 and 1000) against SDPA over the

@@ -66,8 +66,10 @@ class _Entry:
 
 class GraphCache:
     """``fn(*tensors, **options)`` replayed from a CUDA graph captured per (shapes, dtypes,
-    options). The inputs are copied into the graph's own tensors; the outputs returned are the
-    graph's, overwritten by its next replay (copy what must outlive it).
+    options). The inputs are copied into the graph's own tensors (with ``inputs_in_place``
+    the graph reads the tensors it was captured with, which the caller passes every time and
+    refills itself: no copies); the outputs returned are the graph's, overwritten by its next
+    replay (copy what must outlive it).
 
     Before a capture ``fn`` runs once eagerly (lazy initialisations must not happen inside the
     capture) on ``warmup(inputs)``: for functions with side effects, inputs that make that run
@@ -80,11 +82,13 @@ class GraphCache:
         warmup: Callable[..., list] | None = None,
         pool: Pool | None = None,
         enabled: bool = True,
+        inputs_in_place: bool = False,
     ):
         self.fn = fn
         self.warmup = warmup
         self.pool = pool or Pool()
         self.enabled = enabled
+        self.inputs_in_place = inputs_in_place
         self.entries: dict[tuple, _Entry] = {}
 
     def __call__(self, *inputs: torch.Tensor, **options: Any) -> Any:
@@ -95,12 +99,15 @@ class GraphCache:
         if entry is None:
             entry = self.entries[key] = self._capture(inputs, options)
         for static, value in zip(entry.inputs, inputs, strict=True):
-            static.copy_(value, non_blocking=True)
+            if static is not value:
+                if self.inputs_in_place:
+                    raise ValueError("GraphCache(inputs_in_place=True): pass the same tensors")
+                static.copy_(value, non_blocking=True)
         entry.graph.replay()
         return entry.outputs
 
     def _capture(self, inputs, options) -> _Entry:
-        static = [t.clone() for t in inputs]
+        static = list(inputs) if self.inputs_in_place else [t.clone() for t in inputs]
         with sync_allowed():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

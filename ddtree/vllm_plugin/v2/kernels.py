@@ -86,3 +86,54 @@ def depth_positions(
             tree_rows, section, query_start_loc, query_start_loc, tree_rows, depths,
             depths.stride(0), 0, FIND_TREES=False, AT_DEPTH=True, BLOCK=128,
         )  # fmt: skip
+
+
+@triton.jit
+def _tail_inputs_kernel(
+    target_ptr, cu_logits_ptr, seq_lens_ptr, prefill_len_ptr, idx_mapping_ptr, qsl_ptr,
+    tree_rows_ptr, node_target_ptr, num_logits_ptr, chunk_ptr, start_ptr, active_ptr,
+    num_reqs, width, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    real = r < num_reqs  # rows past it pad the batch to its bucket: zeros, inactive
+    first = tl.load(cu_logits_ptr + r, mask=real, other=0)
+    count = tl.load(cu_logits_ptr + r + 1, mask=real, other=0) - first
+    for start in range(0, width, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        row = first + tl.where(slot < count, slot, 0)  # a slot without a logit: the first's
+        token = tl.load(target_ptr + row, mask=real & (slot < width), other=0)
+        tl.store(node_target_ptr + r * width + slot, token.to(tl.int64), mask=slot < width)
+    state = tl.load(idx_mapping_ptr + r, mask=real, other=0)
+    prefill = tl.load(prefill_len_ptr + state, mask=real, other=0)
+    seq_len = tl.load(seq_lens_ptr + r, mask=real, other=0)
+    tl.store(num_logits_ptr + r, count.to(tl.int64))
+    tl.store(chunk_ptr + r, (real & (seq_len < prefill)).to(tl.int64))
+    tl.store(start_ptr + r, tl.load(qsl_ptr + r, mask=real, other=0).to(tl.int64))
+    tl.store(active_ptr + r, tl.load(tree_rows_ptr + r) >= 0)
+
+
+def tail_inputs(
+    target: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefill_len: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_rows: torch.Tensor,
+    num_reqs: int,
+    out: tuple[torch.Tensor, ...],
+) -> None:
+    """The tree sampler's per-request inputs in one launch, into ``out`` = (node targets
+    ``[R_pad, Q]`` long: the target's token at each tree slot, the first row's where a slot has
+    no logit; num_logits ``[R_pad]``; chunk ``[R_pad]``: 1 for a prefill chunk that is not its
+    last; start ``[R_pad]``: first token row; active ``[R_pad]`` bool: verifies a tree). Rows
+    from ``num_reqs`` on pad the batch: zeros, inactive. ``target [num_logits]``: vLLM's
+    sample per logits row; ``prefill_len`` by request-state row; the rest by batch row;
+    ``tree_rows`` as ``prepare_step`` marked them."""
+    node_target, num_logits, chunk, start, active = out
+    rows, width = node_target.shape
+    _tail_inputs_kernel[(rows,)](
+        target, cu_num_logits, seq_lens, prefill_len, idx_mapping, query_start_loc, tree_rows,
+        node_target, num_logits, chunk, start, active, num_reqs, width,
+        BLOCK=min(1024, triton.next_power_of_2(width)),
+    )  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 from ddtree.verify import walk
 from ddtree.vllm_plugin import graphs
 from ddtree.vllm_plugin.debug import AcceptanceLog
+from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.bad_words import apply_tree_bad_words
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 from ddtree.vllm_plugin.v2.penalties import apply_tree_penalties
@@ -31,8 +32,9 @@ class TreeSampler:
         # walk + output + KV commit: one graph per request bucket (fixed shapes, ~80 launches)
         self.tail = graphs.GraphCache(
             self._tail, warmup=_harmless, pool=engine.graph_pool,
-            enabled=engine.settings.cuda_graphs,
+            enabled=engine.settings.cuda_graphs, inputs_in_place=True,
         )  # fmt: skip
+        self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> the tail's inputs
         # Each node's history is its root path, not the rows before it: vLLM's sampler calls
         # these in place of its own penalty and bad-word steps.
         penalties = getattr(sampler, "penalties_state", None)
@@ -65,20 +67,16 @@ class TreeSampler:
             return_logprobs=return_logprobs,
         )
         num_reqs = input_batch.num_reqs
-        pad = graphs.bucket(num_reqs) - num_reqs  # requests padded to a bucket: shapes repeat
-        cu_logits = input_batch.cu_num_logits
-        first = cu_logits[:num_reqs].long()[:, None]  # [R, 1]
-        num_logits = (cu_logits[1 : num_reqs + 1] - cu_logits[:num_reqs]).long()  # [R]
-        slot = torch.arange(self.engine.tables.tokens.shape[1], device=logits.device)
-        logit_rows = torch.where(slot < num_logits[:, None], first + slot, first)  # [R, Q]
-        # A chunk of a prefill that is not its last emits nothing (vLLM's rule).
-        prefill_len = self.sampler.req_states.prefill_len.gpu[input_batch.idx_mapping.long()]
-        chunk = (input_batch.seq_lens[:num_reqs] < prefill_len).long()
-        start = input_batch.query_start_loc[:num_reqs].long()
-        active = self.engine.tables.tree_rows[: num_reqs + pad] >= 0
-        inputs = [target.long()[logit_rows], num_logits, chunk, start]
-        inputs = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in inputs]
-        sampled, num_sampled, num_rejected = self.tail(*inputs, active)
+        # The tail's inputs, requests padded to a bucket (shapes repeat), in one launch into
+        # the bucket's own buffers, which its graph reads in place. A chunk of a prefill that
+        # is not its last emits nothing (vLLM's rule).
+        inputs = self._tail_buffers(graphs.bucket(num_reqs), logits.device)
+        kernels.tail_inputs(
+            target, input_batch.cu_num_logits, input_batch.seq_lens,
+            self.sampler.req_states.prefill_len.gpu, input_batch.idx_mapping,
+            input_batch.query_start_loc, self.engine.tables.tree_rows, num_reqs, inputs,
+        )  # fmt: skip
+        sampled, num_sampled, num_rejected = self.tail(*inputs)
         self.engine.walked = True
         if self.engine.acceptance is not None:
             self.engine.acceptance.step()
@@ -96,6 +94,21 @@ class TreeSampler:
             num_sampled=num_sampled[:num_reqs].clone(),
             num_rejected=num_rejected[:num_reqs].clone(),
         )
+
+    def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The tail's inputs for a bucket of ``rows`` requests (made once per bucket):
+        node targets ``[rows, Q]``, num_logits, chunk, start ``[rows]`` long, active bool."""
+        buffers = self._inputs.get(rows)
+        if buffers is None:
+            width = self.engine.tables.tokens.shape[1]
+            longs = [torch.zeros(rows, dtype=torch.long, device=device) for _ in range(3)]
+            buffers = (
+                torch.zeros(rows, width, dtype=torch.long, device=device),
+                *longs,
+                torch.zeros(rows, dtype=torch.bool, device=device),
+            )
+            self._inputs[rows] = buffers
+        return buffers
 
     def _path_logprobs(self, source: torch.Tensor, input_batch, sampled: torch.Tensor):
         """vLLM's logprobs of the sampled tokens (``sampled [R, B + 1]``, -1 padded), laid out
