@@ -170,18 +170,21 @@ def gdn_kernels(dtype: str, arch: int) -> None:
     """The tree GDN kernels (recurrence, path replay, conv) at Qwen3.6-27B shapes (K = V = 128)."""
     ints = ("n_slots", "n_runs", "run_nodes", "ratio", "dim_v", *(f"s_{x}" for x in (
         "qb", "qn", "qh", "kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn",
-        "sb", "sh", "sv", "ab", "an", "rb", "ob", "on", "oh")))  # fmt: skip
-    compile_one(
-        f"gdn._tree_gdn_kernel K=128 BV=32 {dtype}",
-        gdn_tree._tree_gdn_kernel,
-        {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-         "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64",
-         "ancestors_ptr": "*i64", "chain_ptr": "*i32", "order_ptr": "*i32",
-         "branch_ptr": "*i32", "length_ptr": "*i32", "out_ptr": "*fp32",
-         **{name: "i32" for name in ints}, "scale": "fp32", "eps": "fp32"},
-        {"K": 128, "BK": 128, "BV": 32, "L2NORM": True, "SLOTS": True},
-        4, arch,
-    )  # fmt: skip
+        "sb", "sh", "sv", "ab", "an", "rb", "wb", "ob", "on", "oh")))  # fmt: skip
+    for token_rows in (False, True):  # [b, N] float32 outputs / into vLLM's [T] rows
+        compile_one(
+            f"gdn._tree_gdn_kernel K=128 BV=32 token_rows={token_rows} {dtype}",
+            gdn_tree._tree_gdn_kernel,
+            {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+             "g_ptr": "*fp32", "beta_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64",
+             "ancestors_ptr": "*i64", "chain_ptr": "*i32", "order_ptr": "*i32",
+             "branch_ptr": "*i32", "length_ptr": "*i32",
+             "out_ptr": f"*{dtype}" if token_rows else "*fp32", "rows_ptr": "*i64",
+             **{name: "i32" for name in ints}, "scale": "fp32", "eps": "fp32"},
+            {"K": 128, "BK": 128, "BV": 32, "L2NORM": True, "SLOTS": True,
+             "TOKEN_ROWS": token_rows},
+            4, arch,
+        )  # fmt: skip
     conv_ints = ("n_slots", "channels", "max_depth", *(f"s_{x}" for x in (
         "xb", "xn", "cs", "cc", "ct", "ab", "an", "db", "ob", "on")))  # fmt: skip
     compile_one(
@@ -204,6 +207,17 @@ def gdn_kernels(dtype: str, arch: int) -> None:
          **{name: "i32" for name in ("path_len", "ratio", "dim_v", *strides)},
          "eps": "fp32"},
         {"K": 128, "BK": 128, "BV": 32, "L2NORM": True},
+        4, arch,
+    )  # fmt: skip
+    compile_one(
+        f"gdn._path_conv_kernel W=4 BC=256 {dtype}",
+        gdn_tree._path_conv_kernel,
+        {"x_ptr": f"*{dtype}", "conv_ptr": f"*{dtype}", "cells_ptr": "*i64", "path_ptr": "*i64",
+         "lengths_ptr": "*i64", "weight_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}",
+         "out_ptr": f"*{dtype}", **{name: "i32" for name in ("channels", "s_xb", "s_xn", "s_cs",
+                                                             "s_cc", "s_ct", "s_pb", "s_ob",
+                                                             "s_ot")}},
+        {"W": 4, "BC": 256, "HAS_BIAS": False, "SILU": True},
         4, arch,
     )  # fmt: skip
 

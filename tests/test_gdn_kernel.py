@@ -52,6 +52,23 @@ def check(
             runs=runs,
         )  # fmt: skip
         torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+    # Straight into token rows of a [T, HV, V] output in the inputs' dtype (vLLM's core
+    # attention output): padding slots (-1) and rows of no node left as they were.
+    token_rows = torch.randperm(batch * n + 3, generator=gen)[: batch * n].view(batch, n)
+    token_rows[:, -2:] = -1
+    rows_out = torch.full((batch * n + 3, heads_v, dim_v), 7.0).to(dtype)
+    tree_gdn_fused(*inputs, state, trees.ancestors, trees.depths, use_qk_l2norm=l2norm,
+                   block_v=16, out=rows_out, token_rows=token_rows)  # fmt: skip
+    written = token_rows >= 0
+    torch.testing.assert_close(
+        rows_out[token_rows[written]].float(),
+        want[written].to(dtype).float(),
+        atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+    )
+    untouched = torch.ones(batch * n + 3, dtype=torch.bool)
+    untouched[token_rows[written]] = False
+    assert (rows_out[untouched] == 7.0).all()
     if budget > depth:
         assert (trees.parents[:, 1:] < 0).any(), "the case should hold padding slots"
     torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
@@ -137,6 +154,46 @@ def check_leading_chains() -> None:
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
+def check_path_conv(dtype: torch.dtype, seed: int) -> None:
+    """The commit's conv (``path_conv_fused``: the conv outputs along each accepted path and
+    the conv columns after it, in place) against :func:`ddtree.gdn.path_conv1d`: paths shorter
+    and longer than the conv window, a request without a tree (length 0: its columns
+    untouched), vLLM's strided conv cache."""
+    from ddtree.gdn import path_conv1d
+    from ddtree.kernels.gdn_tree import path_conv_fused
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, n, channels, width, blocks = 4, 9, 40, 4, 7
+    x = torch.randn(batch, n, channels, generator=gen).to(dtype)
+    conv = torch.randn(blocks, width - 1 + 2, channels, generator=gen).to(dtype).transpose(1, 2)
+    weight = torch.randn(channels, width, generator=gen) * 0.5
+    bias = torch.randn(channels, generator=gen) * 0.1
+    cells = torch.tensor([3, 0, 5, 1])
+    path = torch.tensor([[0, 2, 5, 6, 8, -1], [-1] * 6, [0, 1, -1, -1, -1, -1], [0] + [-1] * 5])
+    lengths = (path >= 0).sum(1)  # 5, 0 (no tree), 2, 1
+    rows = torch.arange(batch)[:, None]
+    for b, activation in ((bias, "silu"), (None, None)):
+        state = conv[cells][..., : width - 1].float()
+        want, want_state = path_conv1d(x[rows, path.clamp(min=0)], state, lengths, weight, b,
+                                       activation)  # fmt: skip
+        got_conv = conv.clone()
+        got = path_conv_fused(x, got_conv, cells, path, lengths, weight, b, activation,
+                              block_c=16)  # fmt: skip
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for r in range(batch):
+            n_r = int(lengths[r])
+            torch.testing.assert_close(got[r, :n_r].float(), want[r, :n_r], atol=tol, rtol=tol)
+            columns = got_conv[cells[r], :, : width - 1]
+            if n_r:  # copies of inputs: exact
+                assert torch.equal(columns, want_state[r].to(dtype)), r
+            else:
+                assert torch.equal(columns, conv[cells[r], :, : width - 1]), r
+        others = [i for i in range(blocks) if i not in cells.tolist()]
+        assert torch.equal(got_conv[others], conv[others])
+        assert torch.equal(got_conv[:, :, width - 1 :], conv[:, :, width - 1 :])
+
+
 def check_conv(dtype: torch.dtype, seed: int) -> None:
     """The tree conv kernel against :func:`ddtree.gdn.tree_conv1d_table` (itself tested against
     the per-path conv): DDTree trees with padding slots, an ancestor table shallower than the
@@ -173,3 +230,5 @@ if __name__ == "__main__":
     check(torch.float32, True, 3, chain_seed=True)
     check(torch.bfloat16, True, 4, chain_seed=True, budget=3)  # a chain-sized tree
     check_leading_chains()
+    check_path_conv(torch.float32, 0)
+    check_path_conv(torch.bfloat16, 1)

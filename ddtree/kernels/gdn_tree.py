@@ -53,6 +53,19 @@ def _delta_rule_step(state, k_row, v_row, g_at, beta_at, offs_k, mask_k, offs_v,
     return state + delta[:, None] * kk[None, :]
 
 
+@triton.jit
+def _store_output(out_ptr, rows_ptr, req, node, value, offs_v, mask_v, hv, s_wb, s_ob, s_on,
+                  s_oh, TOKEN_ROWS: tl.constexpr):  # fmt: skip
+    """A node's output: at ``out[req, node]``, or with ``TOKEN_ROWS`` at the token row
+    ``rows[req, node]`` of ``out [T, HV, V]`` (-1: none) in ``out``'s dtype."""
+    if TOKEN_ROWS:
+        row = tl.load(rows_ptr + req * s_wb + node).to(tl.int64)
+        at = out_ptr + tl.maximum(row, 0) * s_on + hv * s_oh + offs_v
+        tl.store(at, value.to(out_ptr.dtype.element_ty), mask=mask_v & (row >= 0))
+    else:
+        tl.store(out_ptr + req * s_ob + node * s_on + hv * s_oh + offs_v, value, mask=mask_v)
+
+
 @dataclass
 class TreeRuns:
     """How :func:`tree_gdn_fused` splits a batch of trees over its programs (fixed shapes).
@@ -116,11 +129,11 @@ def default_run_nodes(batch: int, n_slots: int, programs_per_node: int) -> int:
 def _tree_gdn_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ancestors_ptr,
     chain_ptr, order_ptr, branch_ptr, length_ptr,
-    out_ptr, n_slots, n_runs, run_nodes, ratio, dim_v, scale, eps,
+    out_ptr, rows_ptr, n_slots, n_runs, run_nodes, ratio, dim_v, scale, eps,
     s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn,
-    s_sb, s_sh, s_sv, s_ab, s_an, s_rb, s_ob, s_on, s_oh,
+    s_sb, s_sh, s_sv, s_ab, s_an, s_rb, s_wb, s_ob, s_on, s_oh,
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-    SLOTS: tl.constexpr,
+    SLOTS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Program (request, run 0: the leading chain / run r: off-chain nodes of run r - 1)."""
     pid = tl.program_id(0)
@@ -150,14 +163,14 @@ def _tree_gdn_kernel(
     g_at = g_ptr + req * s_gb + hv
     b_at = beta_ptr + req * s_gb + hv
     q_at = q_ptr + req * s_qb + h * s_qh
-    o_at = out_ptr + req * s_ob + hv * s_oh + offs_v
     if run == 0:  # the leading chain: every chain node's output on the way
         for at in range(0, tl.load(chain_ptr + req) + 1):
             chain = _delta_rule_step(chain, k_at + at * s_kn, v_at + at * s_vn, g_at + at * s_gn,
                                      b_at + at * s_gn, offs_k, mask_k, offs_v, mask_v, eps,
                                      L2NORM)  # fmt: skip
             qq = _l2norm(tl.load(q_at + at * s_qn + offs_k, mask=mask_k, other=0.0), eps, L2NORM)
-            tl.store(o_at + at * s_on, tl.sum(chain * (qq * scale)[None, :], 1), mask=mask_v)
+            _store_output(out_ptr, rows_ptr, req, at, tl.sum(chain * (qq * scale)[None, :], 1),
+                          offs_v, mask_v, hv, s_wb, s_ob, s_on, s_oh, TOKEN_ROWS)  # fmt: skip
     else:
         walked = -1  # before the root
         for i in range(0, run_nodes):
@@ -178,8 +191,9 @@ def _tree_gdn_kernel(
                                              mask_k, offs_v, mask_v, eps, L2NORM)  # fmt: skip
                 qq = _l2norm(tl.load(q_at + node * s_qn + offs_k, mask=mask_k, other=0.0), eps,
                              L2NORM)  # fmt: skip
-                tl.store(o_at + node * s_on, tl.sum(state * (qq * scale)[None, :], 1),
-                         mask=mask_v)  # fmt: skip
+                _store_output(out_ptr, rows_ptr, req, node,
+                              tl.sum(state * (qq * scale)[None, :], 1), offs_v, mask_v, hv,
+                              s_wb, s_ob, s_on, s_oh, TOKEN_ROWS)  # fmt: skip
 
 
 def tree_gdn_fused(
@@ -200,6 +214,7 @@ def tree_gdn_fused(
     state_slots: torch.Tensor | None = None,
     runs: TreeRuns | None = None,
     num_warps: int = 4,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every node's GDN output ``[b, N, HV, V]`` float32: its root path's recurrence from the
     request's cached ``state [b, HV, V, K]`` (or, with ``state_slots [b]``, from
@@ -210,7 +225,9 @@ def tree_gdn_fused(
     slots point at themselves) and ``depths [b, N]`` of :class:`ddtree.tree.DraftTree`; padding
     slots (depth 0) start from the cached state, as in :func:`ddtree.gdn.tree_gdn`. ``runs``:
     :func:`tree_runs` of these trees (made here when None; an engine makes it once per step
-    for all its layers).
+    for all its layers). With ``token_rows [b, N]`` (each node's row of ``out``, -1: none)
+    the outputs go straight into the given ``out [T, HV, V]`` (e.g. vLLM's core attention
+    output, in its dtype) and other rows are left as they are.
     """
     check_device(q, k, v, g, beta, state, ancestors, depths)
     batch, n_slots, heads, dim_k = k.shape
@@ -230,21 +247,31 @@ def tree_gdn_fused(
         runs = tree_runs(ancestors, depths, default_run_nodes(batch, n_slots, heads_v * tiles))
     if tuple(runs.order.shape) != (batch, n_slots):
         raise ValueError(f"runs are for trees {list(runs.order.shape)}, not {[batch, n_slots]}")
-    if out is None:
-        out = torch.empty(batch, n_slots, heads_v, dim_v, dtype=torch.float32, device=v.device)
+    if token_rows is not None:
+        if out is None or out.dim() != 3 or out.stride(-1) != 1:
+            raise ValueError("tree_gdn_fused: token_rows needs out [T, HV, V], last dim contiguous")
+        if tuple(token_rows.shape) != (batch, n_slots):
+            raise ValueError(f"token_rows must be [{batch}, {n_slots}]")
+        token_rows = token_rows.contiguous()
+        strides = (0, out.stride(0), out.stride(1))  # (request, node -> token row, head)
+    else:
+        if out is None:
+            out = torch.empty(batch, n_slots, heads_v, dim_v, dtype=torch.float32, device=v.device)
+        strides = (out.stride(0), out.stride(1), out.stride(2))
     grid = (batch * (runs.num_runs + 1), heads_v, tiles)
     _tree_gdn_kernel[grid](
         q, k, v, g, beta, state, state if state_slots is None else state_slots, ancestors,
         runs.chain, runs.order, runs.branch, runs.length, out,
+        runs.order if token_rows is None else token_rows,
         n_slots, runs.num_runs, runs.run_nodes, heads_v // heads, dim_v,
         dim_k**-0.5 if scale is None else scale, l2norm_eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         ancestors.stride(0), ancestors.stride(1), runs.order.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
+        0 if token_rows is None else token_rows.stride(0), *strides,
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
-        SLOTS=state_slots is not None, num_warps=num_warps,
+        SLOTS=state_slots is not None, TOKEN_ROWS=token_rows is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -316,6 +343,91 @@ def replay_path_fused(
         path.stride(0),
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
     )  # fmt: skip
+
+
+@triton.jit
+def _path_conv_kernel(
+    x_ptr, conv_ptr, cells_ptr, path_ptr, lengths_ptr, weight_ptr, bias_ptr, out_ptr, channels,
+    s_xb, s_xn, s_cs, s_cc, s_ct, s_pb, s_ob, s_ot,
+    W: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    length = tl.load(lengths_ptr + req)
+    if length == 0:
+        return  # no tree this step: its conv columns are not touched
+    offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = offs < channels
+    cell = tl.load(cells_ptr + req).to(tl.int64)
+    x_req = x_ptr + req * s_xb
+    path = path_ptr + req * s_pb
+    columns = conv_ptr + cell * s_cs + offs * s_cc
+    # Input p of (cached columns, path): path node p, or cached column W - 1 + p before it.
+    for t in range(0, length):  # conv outputs along the path, summed as the verify's kernel
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            p = t - j
+            node = tl.load(path + tl.maximum(p, 0)).to(tl.int64)
+            xv = tl.load(x_req + node * s_xn + offs, mask=mask & (p >= 0), other=0.0)
+            cv = tl.load(columns + tl.maximum(W - 1 + p, 0) * s_ct, mask=mask & (p < 0),
+                         other=0.0)  # fmt: skip
+            weight = tl.load(weight_ptr + offs * W + (W - 1 - j), mask=mask, other=0.0)
+            acc += (xv.to(tl.float32) + cv.to(tl.float32)) * weight.to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + req * s_ob + t * s_ot + offs, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+    # Then the columns after the path: column i is input length + i - (W - 1), an old column
+    # > i or a path node, so rewriting them in increasing order reads no new value.
+    for i in tl.static_range(W - 1):
+        p = length + i - (W - 1)
+        node = tl.load(path + tl.maximum(p, 0)).to(tl.int64)
+        xv = tl.load(x_req + node * s_xn + offs, mask=mask & (p >= 0), other=0.0)
+        cv = tl.load(columns + tl.maximum(W - 1 + p, 0) * s_ct, mask=mask & (p < 0), other=0.0)
+        tl.store(columns + i * s_ct, tl.where(p >= 0, xv.to(cv.dtype), cv), mask=mask)
+
+
+def path_conv_fused(
+    conv_input: torch.Tensor,
+    conv_cache: torch.Tensor,
+    cells: torch.Tensor,
+    path: torch.Tensor,
+    lengths: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    *,
+    out: torch.Tensor | None = None,
+    block_c: int = 256,
+) -> torch.Tensor:
+    """The conv along each accepted path, and the conv state after it, in one launch: returns
+    the conv outputs ``[b, L, C]`` (rows past ``lengths`` untouched) in ``conv_input``'s dtype
+    and rewrites ``conv_cache[cells[r], :, :W-1]`` with the last ``W-1`` inputs of (cached
+    columns, path). ``conv_input [b, N, C]``: the verify's per-node conv inputs (last dim
+    contiguous); ``conv_cache [S, C, >= W-1]`` any strides, newest column last; ``path [b,
+    L]`` accepted slots from the root then -1; ``lengths [b]`` how many (0: the request is left
+    alone); ``weight [C, W]``. Torch reference: :func:`ddtree.gdn.path_conv1d`."""
+    check_device(conv_input, conv_cache, cells, path, lengths, weight)
+    check_activation(activation)
+    batch, _, channels = conv_input.shape
+    width = weight.shape[1]
+    if conv_input.stride(-1) != 1 or tuple(weight.shape) != (channels, width):
+        raise ValueError("path_conv_fused: conv_input needs a contiguous last dim, weight [C, W]")
+    path, lengths = path.contiguous(), lengths.contiguous()
+    weight, cells = weight.contiguous(), cells.contiguous()
+    if out is None:
+        out = torch.empty(batch, path.shape[1], channels, dtype=conv_input.dtype,
+                          device=conv_input.device)  # fmt: skip
+    block_c = min(block_c, next_pow2(channels))
+    _path_conv_kernel[(batch, triton.cdiv(channels, block_c))](
+        conv_input, conv_cache, cells, path, lengths, weight, weight if bias is None else bias,
+        out, channels, conv_input.stride(0), conv_input.stride(1), conv_cache.stride(0),
+        conv_cache.stride(1), conv_cache.stride(2), path.stride(0), out.stride(0),
+        out.stride(1), W=width, BC=block_c, HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit

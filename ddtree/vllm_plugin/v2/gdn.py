@@ -78,8 +78,7 @@ class TreeLayout:
     rows: torch.Tensor  # [R, Q] token row of each slot (clamped for padding)
     depths: torch.Tensor  # [R, Q] node depth, 0 for padding
     ancestors: torch.Tensor  # [R, Q, D+1] ancestor slots (padding: itself)
-    node_of_token: torch.Tensor  # [T] flat (request, slot) of each token row
-    is_tree: torch.Tensor  # [T] bool: the token row is a tree node
+    token_rows: torch.Tensor  # [R, Q] token row of each tree node, -1 for padding slots
     runs: Any  # ddtree.kernels.gdn_tree.TreeRuns: the recurrence kernel's work split
 
 
@@ -198,10 +197,6 @@ class TreeGDN:
         slot = torch.arange(width, device=device)
         valid = (tree[:, None] >= 0) & (slot < count[:, None])  # [R, Q]
         table = tree.clamp(min=0)
-        # Back to token rows (a gather: no two writes to one row).
-        token = torch.arange(num_tokens, device=device)
-        req = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=num_reqs - 1)
-        local = (token - qsl[req]).clamp(0, width - 1)
         # Slots past what vLLM scheduled are padding: depth 0, their own ancestor.
         depths = torch.where(valid, tables.depths[table], 0)
         ancestors = torch.where(valid[..., None], tables.ancestors[table], slot[:, None])
@@ -214,8 +209,7 @@ class TreeGDN:
             rows=(start[:, None] + slot).clamp(max=num_tokens - 1),
             depths=depths,
             ancestors=ancestors,
-            node_of_token=req * width + local,
-            is_tree=valid[req, local] & (token - qsl[req] < width),
+            token_rows=torch.where(valid, start[:, None] + slot, -1),
             runs=tree_runs(ancestors, depths, default_run_nodes(num_reqs, width, programs)),
         )
         return self.layout
@@ -238,22 +232,20 @@ class TreeGDN:
             layer.conv1d.bias, layer.activation,
         )  # fmt: skip
         q, k, v = split_qkv(layer, x_conv)
-        out = tree_gdn_fused(
+        tree_gdn_fused(  # each node's output straight into its token row
             q, k, v, g, beta, ssm, step.ancestors, step.depths, state_slots=cache_slots,
-            runs=step.runs, block_v=GDN_BLOCK_V,
-        )  # fmt: skip  # [R, Q, HV, V] float32
-        node_out = out.flatten(0, 1)[step.node_of_token].to(core_attn_out.dtype)  # [T, HV, V]
-        core_attn_out[:num_tokens] = torch.where(
-            step.is_tree[:, None, None], node_out, core_attn_out[:num_tokens]
-        )
+            runs=step.runs, block_v=GDN_BLOCK_V, out=core_attn_out, token_rows=step.token_rows,
+        )  # fmt: skip
 
     # --- commit --------------------------------------------------------------------------
 
     def commit(self, path: torch.Tensor, active: torch.Tensor) -> None:
         """After the walk: each tree request's state block and conv columns after its accepted
-        path (``path [R, D+1]`` slots from the root, -1 padded; ``active [R]``). Other
-        requests' blocks are rewritten with what they hold."""
-        from ddtree.kernels.gdn_tree import replay_path_fused
+        path (``path [R, D+1]`` slots from the root, -1 padded; ``active [R]``), per GDN layer
+        the path's conv and new conv columns in one launch (``path_conv_fused``), then the
+        replay (``replay_path_fused``). Other requests' blocks are rewritten with what they
+        hold (the replay) or left alone (the conv)."""
+        from ddtree.kernels.gdn_tree import path_conv_fused, replay_path_fused
 
         num_reqs, steps = path.shape
         lengths = torch.where(active, (path >= 0).sum(1), 0)  # [R]
@@ -261,22 +253,21 @@ class TreeGDN:
         local = torch.where(step < lengths[:, None], step, -1)  # [R, L]: the path, in order
         rows = torch.arange(num_reqs, device=path.device)[:, None]
         nodes = path.clamp(min=0)  # [R, L]
+        cells = {}  # one state-block lookup per block table (per KV-cache group)
         for entry in self.layers.values():
             layer = entry.layer
+            if id(entry.block_table) not in cells:
+                cells[id(entry.block_table)] = state_blocks(entry.block_table, active)
+            cache_slots = cells[id(entry.block_table)]
             conv, ssm = caches(layer)
-            weight = conv_weight(layer)
-            window = weight.shape[1] - 1
-            cache_slots = state_blocks(entry.block_table, active)
-            conv_state = conv[cache_slots][..., :window].float()  # [R, C, W-1]
-            x_conv, new_conv = gdn.path_conv1d(
-                entry.conv_input[rows, nodes], conv_state, lengths, weight,
-                layer.conv1d.bias, layer.activation,
-            )  # fmt: skip
-            _, k, v = split_qkv(layer, x_conv.to(entry.conv_input.dtype).contiguous())
+            x_conv = path_conv_fused(
+                entry.conv_input[:num_reqs], conv, cache_slots, path, lengths,
+                conv_weight(layer), layer.conv1d.bias, layer.activation,
+            )  # fmt: skip  # [R, L, C]
+            _, k, v = split_qkv(layer, x_conv)
             replay_path_fused(
                 k, v, entry.g[rows, nodes], entry.beta[rows, nodes], ssm, cache_slots, local
             )
-            conv[cache_slots, :, :window] = new_conv.to(conv.dtype)
 
 
 def state_blocks(block_table: torch.Tensor, has_tree: torch.Tensor) -> torch.Tensor:
