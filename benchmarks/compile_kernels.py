@@ -210,6 +210,17 @@ def gdn_kernels(dtype: str, arch: int) -> None:
         4, arch,
     )  # fmt: skip
     compile_one(
+        f"gdn._stash_kernel BC=1024 {dtype}",
+        gdn_tree._stash_kernel,
+        {"mixed_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}",
+         "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "rows_ptr": "*i64", "x_ptr": f"*{dtype}",
+         "g_ptr": "*fp32", "beta_ptr": "*fp32",
+         **{name: "i32" for name in ("channels", "heads_v", "s_mt", "s_at", "s_bt", "s_xn",
+                                     "s_gn")}},
+        {"BC": 1024, "BH": 64},
+        4, arch,
+    )  # fmt: skip
+    compile_one(
         f"gdn._path_conv_kernel W=4 BC=256 {dtype}",
         gdn_tree._path_conv_kernel,
         {"x_ptr": f"*{dtype}", "conv_ptr": f"*{dtype}", "cells_ptr": "*i64", "path_ptr": "*i64",

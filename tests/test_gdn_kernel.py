@@ -194,6 +194,31 @@ def check_path_conv(dtype: torch.dtype, seed: int) -> None:
         assert torch.equal(got_conv[:, :, width - 1 :], conv[:, :, width - 1 :])
 
 
+def check_stash() -> None:
+    """``stash_nodes`` against a row gather and :func:`ddtree.gdn.gdn_gating`: token rows in
+    any order, a row used twice (padding slots point at a clamped row), ``a`` / ``b`` as
+    strided views (vLLM splits them from one projection), large ``a`` (softplus's linear
+    branch)."""
+    from ddtree.gdn import gdn_gating
+    from ddtree.kernels.gdn_tree import stash_nodes
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, channels, heads_v, batch, n = 11, 40, 6, 2, 5
+    mixed = torch.randn(tokens, channels, generator=gen).bfloat16()
+    ab = torch.randn(tokens, 2 * heads_v, generator=gen).bfloat16() * 4
+    ab[3, :heads_v] = 30.0
+    b, a = ab[:, :heads_v], ab[:, heads_v:]
+    a_log, dt_bias = torch.randn(heads_v, generator=gen), torch.randn(heads_v, generator=gen)
+    rows = torch.tensor([[4, 3, 10, 0, 0], [7, 8, 9, 2, 10]])
+    x = torch.zeros(batch, n, channels, dtype=torch.bfloat16)
+    g, beta = torch.zeros(batch, n, heads_v), torch.zeros(batch, n, heads_v)
+    stash_nodes(mixed, a, b, a_log, dt_bias, rows, x, g, beta, block_c=16)
+    want_g, want_beta = gdn_gating(a_log, a[rows], b[rows], dt_bias)
+    assert torch.equal(x, mixed[rows])
+    torch.testing.assert_close(g, want_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta, want_beta, atol=1e-6, rtol=1e-6)
+
+
 def check_conv(dtype: torch.dtype, seed: int) -> None:
     """The tree conv kernel against :func:`ddtree.gdn.tree_conv1d_table` (itself tested against
     the per-path conv): DDTree trees with padding slots, an ancestor table shallower than the
@@ -231,4 +256,5 @@ if __name__ == "__main__":
     check(torch.bfloat16, True, 4, chain_seed=True, budget=3)  # a chain-sized tree
     check_leading_chains()
     check_path_conv(torch.float32, 0)
+    check_stash()
     check_path_conv(torch.bfloat16, 1)

@@ -346,6 +346,66 @@ def replay_path_fused(
 
 
 @triton.jit
+def _stash_kernel(
+    mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, rows_ptr, x_ptr, g_ptr, beta_ptr,
+    channels, heads_v, s_mt, s_at, s_bt, s_xn, s_gn,
+    BC: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    node = tl.program_id(0)  # flat (request, slot)
+    part = tl.program_id(1)
+    row = tl.load(rows_ptr + node).to(tl.int64)  # the node's token row
+    offs = part * BC + tl.arange(0, BC)
+    mask = offs < channels
+    tl.store(x_ptr + node * s_xn + offs, tl.load(mixed_ptr + row * s_mt + offs, mask=mask),
+             mask=mask)  # fmt: skip
+    if part == 0:  # g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), in float32
+        heads = tl.arange(0, BH)
+        inside = heads < heads_v
+        x = tl.load(a_ptr + row * s_at + heads, mask=inside, other=0.0).to(tl.float32)
+        x += tl.load(dt_bias_ptr + heads, mask=inside, other=0.0).to(tl.float32)
+        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
+        a_log = tl.load(a_log_ptr + heads, mask=inside, other=0.0).to(tl.float32)
+        tl.store(g_ptr + node * s_gn + heads, -tl.exp(a_log) * softplus, mask=inside)
+        b = tl.load(b_ptr + row * s_bt + heads, mask=inside, other=0.0).to(tl.float32)
+        tl.store(beta_ptr + node * s_gn + heads, 1.0 / (1.0 + tl.exp(-b)), mask=inside)
+
+
+def stash_nodes(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    rows: torch.Tensor,
+    conv_input: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    block_c: int = 1024,
+) -> None:
+    """A tree verify's per-node stash in one launch: for each node (``rows [b, N]``, its token
+    row) its conv input row of ``mixed_qkv [T, C]`` into ``conv_input [b, N, C]`` and its
+    gating into ``g, beta [b, N, HV]`` float32 (``g = -exp(A_log) softplus(a + dt_bias)``,
+    ``beta = sigmoid(b)`` from ``a, b [T, HV]``). Torch reference:
+    :func:`ddtree.gdn.gdn_gating` and a row gather."""
+    check_device(mixed_qkv, a, b, a_log, dt_bias, rows, conv_input, g, beta)
+    batch, n_slots, channels = conv_input.shape
+    heads_v = g.shape[-1]
+    for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("conv_input", conv_input)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"stash_nodes: {name} needs a contiguous last dim")
+    if not (g.is_contiguous() and beta.is_contiguous() and conv_input.is_contiguous()):
+        raise ValueError("stash_nodes: conv_input, g and beta must be contiguous")
+    rows = rows.contiguous()
+    block_c = min(block_c, next_pow2(channels))
+    _stash_kernel[(batch * n_slots, triton.cdiv(channels, block_c))](
+        mixed_qkv, a, b, a_log, dt_bias, rows, conv_input, g, beta, channels, heads_v,
+        mixed_qkv.stride(0), a.stride(0), b.stride(0), conv_input.stride(1), g.stride(1),
+        BC=block_c, BH=next_pow2(heads_v),
+    )  # fmt: skip
+
+
+@triton.jit
 def _path_conv_kernel(
     x_ptr, conv_ptr, cells_ptr, path_ptr, lengths_ptr, weight_ptr, bias_ptr, out_ptr, channels,
     s_xb, s_xn, s_cs, s_cc, s_ct, s_pb, s_ob, s_ot,

@@ -11,9 +11,11 @@ and, per GDN layer and step:
   nothing is written to the caches. Rows of requests without a tree (prefill chunks in a mixed
   step) go through vLLM's own path with the tree rows taken out of its metadata;
 * stash: the nodes' conv inputs, ``g`` and ``beta`` in persistent ``[R, 1 + B, ...]`` buffers
-  (allocated with the model, before vLLM sizes the KV cache);
-* commit, after the walk: the accepted path's conv (:func:`ddtree.gdn.path_conv1d`) and
-  recurrence (:func:`ddtree.kernels.replay_path_fused`) into the block.
+  (allocated with the model, before vLLM sizes the KV cache), one launch (``stash_nodes``);
+  the tree kernel writes each node's output into its token row of vLLM's output: three
+  launches per layer in all;
+* commit, after the walk: the accepted path's conv and the conv columns after it
+  (``path_conv_fused``) and its recurrence (``replay_path_fused``) into the block.
 
 Verify and commit use fixed shapes and device values only: the verify graphs and the tree
 sampler's tail graph capture them. Tree layout: batch row r verifies ``tables.tree_rows[r]``'s
@@ -24,12 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ddtree import gdn
 from ddtree.vllm_plugin.gdn import conv_cache, conv_weight
 from ddtree.vllm_plugin.v2.engine import TreeTables
 
@@ -80,6 +81,7 @@ class TreeLayout:
     ancestors: torch.Tensor  # [R, Q, D+1] ancestor slots (padding: itself)
     token_rows: torch.Tensor  # [R, Q] token row of each tree node, -1 for padding slots
     runs: Any  # ddtree.kernels.gdn_tree.TreeRuns: the recurrence kernel's work split
+    cells: dict = field(default_factory=dict)  # id(block table) -> [R] state blocks
 
 
 class TreeGDN:
@@ -215,18 +217,17 @@ class TreeGDN:
         return self.layout
 
     def _tree_rows(self, layer, num_tokens, num_reqs, mixed_qkv, b, a, core_attn_out) -> None:
-        from ddtree.kernels.gdn_tree import tree_conv_fused, tree_gdn_fused
+        from ddtree.kernels.gdn_tree import stash_nodes, tree_conv_fused, tree_gdn_fused
 
         entry = self.layers[layer.prefix]
         step = self._layout(layer, num_tokens, num_reqs)
-        rows = step.rows
-        x = entry.conv_input[:num_reqs]  # [R, Q, C]: the nodes' conv inputs, kept for the commit
-        torch.index_select(mixed_qkv, 0, rows.flatten(), out=x.view(-1, x.shape[-1]))
-        g, beta = gdn.gdn_gating(layer.A_log, a[rows], b[rows], layer.dt_bias)  # [R, Q, HV]
-        entry.g[:num_reqs].copy_(g)
-        entry.beta[:num_reqs].copy_(beta)
+        # The nodes' conv inputs and gating, kept for the commit: [R, Q, C], [R, Q, HV].
+        x, g, beta = (t[:num_reqs] for t in (entry.conv_input, entry.g, entry.beta))
+        stash_nodes(mixed_qkv, a, b, layer.A_log, layer.dt_bias, step.rows, x, g, beta)
         conv, ssm = caches(layer)
-        cache_slots = state_blocks(entry.block_table, step.has_tree)  # [R]
+        if id(entry.block_table) not in step.cells:  # once per KV-cache group and forward
+            step.cells[id(entry.block_table)] = state_blocks(entry.block_table, step.has_tree)
+        cache_slots = step.cells[id(entry.block_table)]  # [R]
         x_conv = tree_conv_fused(
             x, conv, cache_slots, step.ancestors, step.depths, conv_weight(layer),
             layer.conv1d.bias, layer.activation,
