@@ -198,15 +198,15 @@ def gdn_kernels(dtype: str, arch: int) -> None:
         4, arch,
     )  # fmt: skip
     strides = [f"s_{x}" for x in ("kb", "kn", "kh", "vb", "vn", "vh", "gb", "gn", "ss", "sh",
-                                   "sv", "pb")]  # fmt: skip
+                                   "sv", "pb", "ab")]  # fmt: skip
     compile_one(
-        f"gdn._replay_path_kernel K=128 BV=32 {dtype}",
+        f"gdn._replay_path_kernel K=128 BV=32 gate_at {dtype}",
         gdn_tree._replay_path_kernel,
         {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
-         "state_ptr": "*fp32", "slots_ptr": "*i64", "path_ptr": "*i64",
+         "state_ptr": "*fp32", "slots_ptr": "*i64", "path_ptr": "*i64", "gate_ptr": "*i64",
          **{name: "i32" for name in ("path_len", "ratio", "dim_v", *strides)},
          "eps": "fp32"},
-        {"K": 128, "BK": 128, "BV": 32, "L2NORM": True},
+        {"K": 128, "BK": 128, "BV": 32, "L2NORM": True, "GATE_AT": True},
         4, arch,
     )  # fmt: skip
     compile_one(

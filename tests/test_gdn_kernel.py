@@ -97,6 +97,15 @@ def check(
     before = cache.clone()
     replay_path_fused(*inputs[1:], cache, slots, path, use_qk_l2norm=l2norm, block_v=16)
     torch.testing.assert_close(cache[slots], want_state.float(), atol=1e-4, rtol=1e-4)
+    # k, v laid out by path position and g, beta per node (the V2 commit's layout).
+    rows, nodes = torch.arange(batch)[:, None], path.clamp(min=0)
+    positions = torch.where(path >= 0, torch.arange(path.shape[1]), -1)
+    by_position = cache.clone()
+    by_position[slots] = state
+    k_path, v_path = inputs[1][rows, nodes], inputs[2][rows, nodes]
+    replay_path_fused(k_path, v_path, *inputs[3:], by_position, slots, positions,
+                      use_qk_l2norm=l2norm, block_v=16, gate_at=nodes)  # fmt: skip
+    assert torch.equal(by_position[slots], cache[slots])
     others = [i for i in range(5) if i not in slots.tolist()]
     assert torch.equal(cache[others], before[others])
     _, node_states = tree_gdn(*inputs, state, trees.parents, use_qk_l2norm=l2norm)

@@ -278,10 +278,11 @@ def tree_gdn_fused(
 
 @triton.jit
 def _replay_path_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, path_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, path_ptr, gate_ptr,
     path_len, ratio, dim_v, eps,
-    s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn, s_ss, s_sh, s_sv, s_pb,
+    s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_gb, s_gn, s_ss, s_sh, s_sv, s_pb, s_ab,
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    GATE_AT: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     hv = tl.program_id(1)
@@ -297,7 +298,10 @@ def _replay_path_kernel(
     for t in range(0, path_len):
         at = tl.load(path_ptr + req * s_pb + t)
         if at >= 0:  # the accepted path, then -1 padding
-            gb = req * s_gb + at * s_gn + hv
+            gate = at
+            if GATE_AT:  # g and beta at other rows than k and v
+                gate = tl.load(gate_ptr + req * s_ab + t)
+            gb = req * s_gb + gate * s_gn + hv
             state = _delta_rule_step(state, k_ptr + req * s_kb + at * s_kn + h * s_kh,
                                      v_ptr + req * s_vb + at * s_vn + hv * s_vh, g_ptr + gb,
                                      beta_ptr + gb, offs_k, mask_k, offs_v, mask_v, eps,
@@ -317,13 +321,16 @@ def replay_path_fused(
     use_qk_l2norm: bool = True,
     l2norm_eps: float = 1e-6,
     block_v: int = 32,
+    gate_at: torch.Tensor | None = None,
 ) -> None:
     """Commit accepted paths in place: ``state[state_slots[r]]`` (a cache ``[S, HV, V, K]``)
     becomes the state after request r's path, as a chain over its tokens would leave it.
 
     ``k [b, N, H, K]``, ``v [b, N, HV, V]``, ``g, beta [b, N, HV]``: the tree verify's inputs
     per node; ``path`` long ``[b, L]``: accepted slots from the root (the root included), then
-    -1. The recurrence of :func:`ddtree.gdn.replay_path` (its conv-window part is a gather)."""
+    -1. With ``gate_at [b, L]``, step t reads ``g`` and ``beta`` at row ``gate_at[r, t]``
+    instead of ``path[r, t]`` (k and v along the path, g and beta still per node). The
+    recurrence of :func:`ddtree.gdn.replay_path` (its conv-window part is a gather)."""
     check_device(k, v, g, beta, state, state_slots, path)
     batch, _, heads, dim_k = k.shape
     heads_v, dim_v = v.shape[2], v.shape[3]
@@ -333,15 +340,20 @@ def replay_path_fused(
         if t.stride(-1) != 1:
             raise ValueError(f"replay_path_fused: {name} must have a contiguous last dim")
     g, beta, path = g.contiguous(), beta.contiguous(), path.contiguous()
+    if gate_at is not None:
+        if gate_at.shape != path.shape:
+            raise ValueError(f"gate_at {list(gate_at.shape)} must be path's {list(path.shape)}")
+        gate_at = gate_at.contiguous()
     block_v = min(block_v, next_pow2(dim_v))
     grid = (batch, heads_v, triton.cdiv(dim_v, block_v))
     _replay_path_kernel[grid](
-        k, v, g, beta, state, state_slots, path,
+        k, v, g, beta, state, state_slots, path, path if gate_at is None else gate_at,
         path.shape[1], heads_v // heads, dim_v, l2norm_eps,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         g.stride(0), g.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        path.stride(0),
+        path.stride(0), path.stride(0) if gate_at is None else gate_at.stride(0),
         K=dim_k, BK=next_pow2(dim_k), BV=block_v, L2NORM=use_qk_l2norm,
+        GATE_AT=gate_at is not None,
     )  # fmt: skip
 
 

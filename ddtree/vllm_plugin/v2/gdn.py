@@ -252,7 +252,6 @@ class TreeGDN:
         lengths = torch.where(active, (path >= 0).sum(1), 0)  # [R]
         step = torch.arange(steps, device=path.device)
         local = torch.where(step < lengths[:, None], step, -1)  # [R, L]: the path, in order
-        rows = torch.arange(num_reqs, device=path.device)[:, None]
         nodes = path.clamp(min=0)  # [R, L]
         cells = {}  # one state-block lookup per block table (per KV-cache group)
         for entry in self.layers.values():
@@ -266,8 +265,16 @@ class TreeGDN:
                 conv_weight(layer), layer.conv1d.bias, layer.activation,
             )  # fmt: skip  # [R, L, C]
             _, k, v = split_qkv(layer, x_conv)
+            # k, v at path positions (x_conv), g, beta at the path's nodes (the stash)
             replay_path_fused(
-                k, v, entry.g[rows, nodes], entry.beta[rows, nodes], ssm, cache_slots, local
+                k,
+                v,
+                entry.g[:num_reqs],
+                entry.beta[:num_reqs],
+                ssm,
+                cache_slots,
+                local,
+                gate_at=nodes,
             )
 
 
