@@ -223,6 +223,9 @@ class TreeGDN:
         step = self._layout(layer, num_tokens, num_reqs)
         # The nodes' conv inputs and gating, kept for the commit: [R, Q, C], [R, Q, HV].
         x, g, beta = (t[:num_reqs] for t in (entry.conv_input, entry.g, entry.beta))
+        mixed_qkv, a, b = (
+            t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, a, b)
+        )  # the stash kernel reads rows with a unit last stride
         stash_nodes(mixed_qkv, a, b, layer.A_log, layer.dt_bias, step.rows, x, g, beta)
         conv, ssm = caches(layer)
         if id(entry.block_table) not in step.cells:  # once per KV-cache group and forward
