@@ -418,6 +418,34 @@ def stash_nodes(
 
 
 @triton.jit
+def _conv_tap(acc, xv, cv, weight_ptr, offs, mask, j, W: tl.constexpr):
+    """``acc`` plus lag ``j``'s input (``xv`` from a node, or ``cv`` from a cached column: the
+    other is masked to 0) times its weight, in float32."""
+    weight = tl.load(weight_ptr + offs * W + (W - 1 - j), mask=mask, other=0.0)
+    return acc + (xv.to(tl.float32) + cv.to(tl.float32)) * weight.to(tl.float32)
+
+
+@triton.jit
+def _conv_finish(acc, bias_ptr, offs, mask, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The conv's bias and activation on its float32 sum."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+@triton.jit
+def _path_input(x_req, columns, path, p, offs, mask, s_xn, s_ct, W: tl.constexpr):
+    """Input ``p`` of (cached columns, path) as ``(xv, cv)``: path node p's conv input when
+    p >= 0, else cached column W - 1 + p (the other masked to 0)."""
+    node = tl.load(path + tl.maximum(p, 0)).to(tl.int64)
+    xv = tl.load(x_req + node * s_xn + offs, mask=mask & (p >= 0), other=0.0)
+    cv = tl.load(columns + tl.maximum(W - 1 + p, 0) * s_ct, mask=mask & (p < 0), other=0.0)
+    return xv, cv
+
+
+@triton.jit
 def _path_conv_kernel(
     x_ptr, conv_ptr, cells_ptr, path_ptr, lengths_ptr, weight_ptr, bias_ptr, out_ptr, channels,
     s_xb, s_xn, s_cs, s_cc, s_ct, s_pb, s_ob, s_ot,
@@ -433,30 +461,19 @@ def _path_conv_kernel(
     x_req = x_ptr + req * s_xb
     path = path_ptr + req * s_pb
     columns = conv_ptr + cell * s_cs + offs * s_cc
-    # Input p of (cached columns, path): path node p, or cached column W - 1 + p before it.
     for t in range(0, length):  # conv outputs along the path, summed as the verify's kernel
         acc = tl.zeros([BC], dtype=tl.float32)
         for j in tl.static_range(W):
-            p = t - j
-            node = tl.load(path + tl.maximum(p, 0)).to(tl.int64)
-            xv = tl.load(x_req + node * s_xn + offs, mask=mask & (p >= 0), other=0.0)
-            cv = tl.load(columns + tl.maximum(W - 1 + p, 0) * s_ct, mask=mask & (p < 0),
-                         other=0.0)  # fmt: skip
-            weight = tl.load(weight_ptr + offs * W + (W - 1 - j), mask=mask, other=0.0)
-            acc += (xv.to(tl.float32) + cv.to(tl.float32)) * weight.to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
+            xv, cv = _path_input(x_req, columns, path, t - j, offs, mask, s_xn, s_ct, W)
+            acc = _conv_tap(acc, xv, cv, weight_ptr, offs, mask, j, W)
+        acc = _conv_finish(acc, bias_ptr, offs, mask, HAS_BIAS, SILU)
         tl.store(out_ptr + req * s_ob + t * s_ot + offs, acc.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
     # Then the columns after the path: column i is input length + i - (W - 1), an old column
     # > i or a path node, so rewriting them in increasing order reads no new value.
     for i in tl.static_range(W - 1):
         p = length + i - (W - 1)
-        node = tl.load(path + tl.maximum(p, 0)).to(tl.int64)
-        xv = tl.load(x_req + node * s_xn + offs, mask=mask & (p >= 0), other=0.0)
-        cv = tl.load(columns + tl.maximum(W - 1 + p, 0) * s_ct, mask=mask & (p < 0), other=0.0)
+        xv, cv = _path_input(x_req, columns, path, p, offs, mask, s_xn, s_ct, W)
         tl.store(columns + i * s_ct, tl.where(p >= 0, xv.to(cv.dtype), cv), mask=mask)
 
 
@@ -524,12 +541,8 @@ def _tree_conv_kernel(
         column = tl.maximum(W - 1 - (j - depth), 0)
         cv = tl.load(conv_ptr + cell * s_cs + offs * s_cc + column * s_ct,
                      mask=mask & (j > depth), other=0.0)  # fmt: skip
-        weight = tl.load(weight_ptr + offs * W + (W - 1 - j), mask=mask, other=0.0)
-        acc += (xv.to(tl.float32) + cv.to(tl.float32)) * weight.to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
+        acc = _conv_tap(acc, xv, cv, weight_ptr, offs, mask, j, W)
+    acc = _conv_finish(acc, bias_ptr, offs, mask, HAS_BIAS, SILU)
     tl.store(out_ptr + req * s_ob + slot * s_on + offs, acc.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
 
