@@ -24,6 +24,7 @@
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
+#   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0 (~4 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
@@ -140,6 +141,13 @@ pair)
   tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
   tail -30 "$OUT/bench_pair.txt"
   ;;
+b15)  # the chain vs DDTree at the chain's size (B=15) and B=63, c=1 and 16, T=0 (issue 19)
+  timeout 500 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
+    --concurrency 1,16 --temperatures 0 --max-tokens 128 \
+    --title "bundled pair, $GPU" --out /tmp/bench_b15 > "$OUT/bench_b15.txt" 2>&1
+  tar czf "$OUT/bench_b15.tgz" -C /tmp/bench_b15 --exclude=models .
+  tail -12 "$OUT/bench_b15.txt"
+  ;;
 json)  # structured output (a JSON schema per request): the chain vs DDTree (issue 22)
   timeout 600 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
     --structured-output json --concurrency 1,16 --temperatures 0 --repeats 2 --max-tokens 128 \
@@ -160,8 +168,10 @@ sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per poin
 detach)
   shift
   mkdir -p /tmp/res && rm -f /tmp/res/done
-  setsid nohup bash -c 'for m; do OUT=/tmp/res/$m bash benchmarks/h200.sh $m > /tmp/res/$m.log 2>&1;
-    touch /tmp/res/$m.done; done; touch /tmp/res/done' _ "$@" > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash -c 'for m; do echo "$(date +%T) start $m" >> /tmp/res/times;
+    OUT=/tmp/res/$m bash benchmarks/h200.sh $m > /tmp/res/$m.log 2>&1;
+    echo "$(date +%T) end $m" >> /tmp/res/times; touch /tmp/res/$m.done; done;
+    touch /tmp/res/done' _ "$@" > /dev/null 2>&1 < /dev/null &
   echo "detached: $*"
   ;;
 collect)
@@ -173,10 +183,11 @@ collect)
     tar czf "$OUT/$m.tgz" -C /tmp/res "$m" "$m.log"
     echo "== $m"; tail -25 "/tmp/res/$m.log"
   done
+  cp /tmp/res/times "$OUT/times.txt" 2>/dev/null; cat /tmp/res/times 2>/dev/null
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac

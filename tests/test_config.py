@@ -263,17 +263,16 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
         check_settings(config)
 
 
-def test_request_options_refused_per_runner():
-    """The V1 runner serves every option of the sampling distribution, logprobs and structured
-    output (without a reasoning parser); the V2 runner serves those vLLM's V2 sampler applies
-    per row (checked on the H200: GPU equality case pairopts) and refuses the ones that need a
-    node's own history or grammar state by name, pointing at the V1 runner; neutral values
-    are never refused."""
+def test_request_options_served_or_refused():
+    """Both runners serve every option of the sampling distribution, logprobs and structured
+    output (without a reasoning parser): the V1 runner per tree node (CPU tests), the V2 runner
+    per node too (GPU equality cases pairopts, pairpen, pairjson); what no runner serves is
+    refused by name."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-    from ddtree.vllm_plugin.requests import REFUSED_V2, unsupported_request
+    from ddtree.vllm_plugin.requests import REFUSED, unsupported_request
 
-    served_on_both = {
+    served = {
         "logprobs": 0,
         "min_p": 0.1,
         "min_tokens": 3,
@@ -281,26 +280,20 @@ def test_request_options_refused_per_runner():
         "allowed_token_ids": [1, 2],
         "top_k": 5,
         "top_p": 0.9,
-    }
-    served_on_v1 = {
         "presence_penalty": 0.5,
         "frequency_penalty": 0.5,
         "repetition_penalty": 1.2,
         "bad_words": ["x"],
         "structured_outputs": StructuredOutputsParams(choice=["a"]),
     }
-    assert served_on_v1.keys() == REFUSED_V2.keys()
-    for name, value in served_on_both.items():
-        params = SamplingParams(**{name: value})
-        assert unsupported_request(params, v2_runner=False) is None, name
-        assert unsupported_request(params, v2_runner=True) is None, name
-    for name, value in served_on_v1.items():
-        params = SamplingParams(**{name: value})
-        assert unsupported_request(params, v2_runner=False) is None, name
-        reason = unsupported_request(params, v2_runner=True)
-        assert name.split("_")[0] in reason and "VLLM_USE_V2_MODEL_RUNNER=0" in reason, name
-    neutral = SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, temperature=0.7)
-    assert unsupported_request(neutral, v2_runner=True) is None
+    for name, value in served.items():
+        assert unsupported_request(SamplingParams(**{name: value})) is None, name
+    refused = {"logprob_token_ids": [3, 4], "thinking_token_budget": 0}
+    assert refused.keys() == REFUSED.keys()
+    for name, value in refused.items():
+        params = SamplingParams(max_tokens=4)
+        setattr(params, name, value)  # vLLM validates these only with more context
+        assert unsupported_request(params) == REFUSED[name], name
     from types import SimpleNamespace
 
     from ddtree.vllm_plugin.requests import structured_output_refusal

@@ -176,7 +176,7 @@ def _patch_request_validation() -> None:
     def _validate_params(original, self, params, *args, **kwargs):
         original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and options_of(self.speculative_config):
-            reason = requests.unsupported_request(params, self.use_v2_model_runner)
+            reason = requests.unsupported_request(params)
             if reason is None and params.structured_outputs is not None:
                 reason = requests.structured_output_refusal(self.vllm_config)
             if reason is not None:  # a ValueError here is a 400 in the OpenAI server
