@@ -168,6 +168,10 @@ sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per poin
 detach)
   shift
   mkdir -p /tmp/res && rm -f /tmp/res/done
+  # From a copy of the tree: the device tool re-copies the working tree at every call, and
+  # a process importing ddtree at that moment fails (seen: pair_ddtree_1023, 2026-12-05).
+  rm -rf /tmp/wt && mkdir -p /tmp/wt && tar c --exclude=./.gpukit --exclude=./.git . | tar x -C /tmp/wt
+  cd /tmp/wt
   setsid nohup bash -c 'for m; do echo "$(date +%T) start $m" >> /tmp/res/times;
     OUT=/tmp/res/$m bash benchmarks/h200.sh $m > /tmp/res/$m.log 2>&1;
     echo "$(date +%T) end $m" >> /tmp/res/times; touch /tmp/res/$m.done; done;

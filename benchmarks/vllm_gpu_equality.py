@@ -52,7 +52,7 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "hybrid_nospec",
     "hybrid_dflash",
     "hybrid_ddtree_15",
-    "hybrid_ddtree_63",
+    "hybrid_ddtree_30",  # B <= vocab - 2 (32 words): vLLM's warm-up ids
 ]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);

@@ -228,6 +228,7 @@ def test_cuda_settings_defaults(monkeypatch):
         (511, "FULL_AND_PIECEWISE", 1024, "needs max_model_len >= 1025"),
         (64, "FULL", 2048, "not FULL: a full graph of a mixed batch"),
         (255, "FULL_AND_PIECEWISE", 512, "needs max_model_len >= 513"),
+        (63, "FULL_AND_PIECEWISE", 1024, "needs a vocabulary of >= 65 tokens"),
     ],
 )
 def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, message):
@@ -248,7 +249,9 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     config = SimpleNamespace(
         parallel_config=parallel,
         cache_config=SimpleNamespace(cache_dtype="auto"),
-        model_config=SimpleNamespace(uses_xdrope_dim=0, max_model_len=max_model_len),
+        model_config=SimpleNamespace(
+            uses_xdrope_dim=0, max_model_len=max_model_len, get_vocab_size=lambda: 64
+        ),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
         speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
     )
@@ -257,6 +260,7 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     config.model_config.max_model_len = 1025
     config.speculative_config.ddtree = DDTreeOptions(511)
+    config.model_config.get_vocab_size = lambda: 151936
     check_settings(config)  # what the H200 suite verified passes
     config.model_config.uses_xdrope_dim = 3
     with pytest.raises(NotImplementedError, match="XD-RoPE"):

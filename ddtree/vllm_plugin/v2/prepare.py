@@ -39,6 +39,14 @@ def check_settings(vllm_config) -> None:
             "+ 3 tokens, and past max_model_len they write K/V outside their block table (the "
             "wrong tokens once seen at B=511); lower ddtree_budget or raise max_model_len"
         )
+    vocab = vllm_config.model_config.get_vocab_size()
+    if budget + 2 > vocab:
+        raise ValueError(
+            f"ddtree_budget {budget} needs a vocabulary of >= {budget + 2} tokens on the V2 "
+            f"model runner (the target has {vocab}): vLLM's start-up warm-up prompts are token "
+            "ids 0 .. budget + 1 (an embedding index out of bounds at B=63 on a 32-token "
+            "target); lower ddtree_budget"
+        )
     if config.SETTINGS.tree_attention == "merge":
         raise ValueError("DDTREE_TREE_ATTENTION=merge runs on the V1 model runner only")
 
