@@ -269,9 +269,9 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
 
 def test_request_options_served_or_refused():
     """Both runners serve every option of the sampling distribution, logprobs and structured
-    output (without a reasoning parser): the V1 runner per tree node (CPU tests), the V2 runner
-    per node too (GPU equality cases pairopts, pairpen, pairjson); what no runner serves is
-    refused by name."""
+    output (also behind a reasoning parser): the V1 runner per tree node (CPU tests), the V2
+    runner per node too (GPU equality cases pairopts, pairpen, pairjson); what no runner
+    serves is refused by name."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     from ddtree.vllm_plugin.requests import REFUSED, unsupported_request
@@ -298,14 +298,6 @@ def test_request_options_served_or_refused():
         params = SamplingParams(max_tokens=4)
         setattr(params, name, value)  # vLLM validates these only with more context
         assert unsupported_request(params) == REFUSED[name], name
-    from types import SimpleNamespace
-
-    from ddtree.vllm_plugin.requests import structured_output_refusal
-
-    config = SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=""))
-    assert structured_output_refusal(config) is None
-    config.structured_outputs_config.reasoning_parser = "qwen3"
-    assert "reasoning_parser=qwen3" in structured_output_refusal(config)
 
 
 def test_budget_per_batch_size_option():
@@ -467,6 +459,76 @@ def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
                                 {"r": [0, 0, 1, 3]})  # fmt: skip
     assert rows.tolist() == [0, 105, 106, 207, -1]
     assert grammar.rejected == [] and grammar.seq == []
+
+
+def test_tree_grammar_bitmask_gates_each_path_at_its_end_of_reasoning():
+    """With a reasoning parser, while the request reasons: a node's row is unconstrained until
+    its own root path holds the end-of-reasoning token; from that token on, constrained by the
+    grammar advanced through the path's tokens after it (vLLM's gate on a chain, per path)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddtree.vllm_plugin.v1.grammar import reasoning_ends, tree_grammar_bitmask
+
+    END = 9
+
+    class Reasoner:  # reasoning ends at token END
+        def is_reasoning_end_streaming(self, input_ids, delta_ids):
+            return END in delta_ids
+
+    class Grammar:  # accepts the sequences in ``valid`` (prefix-closed)
+        def __init__(self, valid):
+            self.valid, self.seq = valid, []
+
+        def is_terminated(self):
+            return False
+
+        def validate_tokens(self, tokens):
+            out = []
+            for t in tokens:
+                if tuple(self.seq + out + [t]) not in self.valid:
+                    break
+                out.append(t)
+            return out
+
+        def accept_tokens(self, request_id, tokens):
+            assert tuple(self.seq + tokens) in self.valid
+            self.seq += tokens
+            return True
+
+        def rollback(self, n):
+            del self.seq[len(self.seq) - n :]
+
+    class Manager:
+        _grammar_bitmask = torch.zeros(8, dtype=torch.long)
+        enable_in_reasoning = False
+
+        def should_fill_bitmask(self, request):
+            return False  # reasoning has not ended before this step
+
+        def _get_reasoner(self, request):
+            return Reasoner()
+
+        def _fill_bitmasks(self, batch):
+            for grammar, index, apply in batch:  # the state, encoded; -1: no mask
+                state = len(grammar.seq) * 100 + (grammar.seq[-1] if grammar.seq else 0)
+                self._grammar_bitmask[index] = state if apply else -1
+
+    # drafts 5, END, 7, END, 8, 6 with parents root, 1, 2, root, 4, 5:
+    # paths [5] [5 E] [5 E 7] [E] [E 8] [E 8 6]
+    drafts, parents = [5, END, 7, END, 8, 6], [0, 1, 2, 0, 4, 5]
+    assert reasoning_ends(Reasoner(), [1, 2], drafts, parents) == [None, 1, 1, 0, 0, 0]
+    grammar = Grammar({(), (7,), (8,)})  # after reasoning: 7 or 8, nothing after them
+    request = SimpleNamespace(
+        structured_output_request=SimpleNamespace(grammar=grammar), all_token_ids=[1, 2]
+    )
+    rows = tree_grammar_bitmask(Manager(), {"r": request}, ["r"], {"r": drafts},
+                                {"r": parents})  # fmt: skip
+    # root and [5]: reasoning; [5 E], [E]: the grammar's start; [5 E 7], [E 8]: after 7 / 8;
+    # [E 8 6]: rejected content (never accepted: 6 is masked out of its parent's row)
+    assert rows.tolist() == [-1, -1, 0, 107, 0, 108, -1]
+    assert grammar.seq == []
 
 
 def test_async_scheduling_drafts_reach_the_grammar_whole_with_their_parents():

@@ -6,6 +6,7 @@ One no-spec and one DDTree engine serve every case (module fixtures).
 """
 
 import json
+import re
 
 import pytest
 
@@ -18,6 +19,8 @@ from engines import (  # noqa: E402
     engine,
     token_counts,
 )
+from vllm.reasoning import ReasoningParserManager  # noqa: E402
+from vllm.reasoning.basic_parsers import BaseThinkingReasoningParser  # noqa: E402
 from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -61,6 +64,30 @@ CASES = [
 
 
 STRUCTURED_JSON = CASES[-3]
+
+
+@ReasoningParserManager.register_module("ddtree_test_paren")
+class ParenReasoning(BaseThinkingReasoningParser):
+    """A reasoning parser for the bundled pair: "<|im_start|>" opens reasoning, the first "("
+    token closes it (frequent in code, so trees accept tokens past it in one step). A prompt
+    without the opening token is not reasoning, so the other cases are not gated."""
+
+    start_token = "<|im_start|>"
+    end_token = "("
+
+    def is_reasoning_end(self, input_ids) -> bool:
+        for token in reversed(list(input_ids)):
+            if token == self.start_token_id:
+                return False
+            if token == self.end_token_id:
+                return True
+        return True
+
+
+# Structured output behind a reasoning parser: free text up to the first "(", then the grammar.
+CODE = r"[ a-z_().,:=0-9]{1,40}"
+REASONING_PROMPTS = ["x = [", "for i in range", "if x is None", "import os, sys"]
+PAREN = 11  # the "(" token
 
 
 def _generate(llm, cases, max_tokens: int = 32):
@@ -107,14 +134,36 @@ def runs():
     results = []
     for spec in (None, ddtree_spec(15, ddtree_chain_seed=False)):
         # 16 at once: the 12 cases in one batch in both engines, the samples 16 at a time
-        with engine(spec=spec, disable_log_stats=False, max_num_seqs=16) as llm:
+        with engine(
+            spec=spec,
+            disable_log_stats=False,
+            max_num_seqs=16,
+            reasoning_parser="ddtree_test_paren",
+        ) as llm:
             plain = _generate(llm, [(i, {}) for i, _ in CASES])
             optioned = _generate(llm, CASES)
             counts = {name: _counts(llm, **kw) for name, kw in DISTRIBUTIONS.items()}
             counts["prompt_logprobs"] = _prompt_logprobs(llm)
+            counts["reasoning"] = _reasoning(llm)
             metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         results.append((plain, optioned, counts, metrics))
     return results
+
+
+def _reasoning(llm) -> list[tuple[list[int], str, str]]:
+    """Per request: tokens, and the text up to and after the first "(" token (the text after
+    it empty when there is none)."""
+    params = vllm.SamplingParams(
+        temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(regex=CODE)
+    )
+    tokenizer = llm.get_tokenizer()
+    out = []
+    for o in llm.generate(["<|im_start|>" + p for p in REASONING_PROMPTS], params):
+        tokens = list(o.outputs[0].token_ids)
+        end = tokens.index(PAREN) + 1 if PAREN in tokens else len(tokens)
+        text = [tokenizer.decode(t, skip_special_tokens=True) for t in (tokens[:end], tokens[end:])]
+        out.append((tokens, *text))
+    return out
 
 
 def test_options_change_the_answer(runs):
@@ -162,6 +211,20 @@ def test_prompt_logprobs_like_no_spec(runs):
         for x, y in zip(a, b, strict=True):
             assert x.keys() == y.keys()
             assert all(abs(x[t] - y[t]) <= 1e-4 for t in x)
+
+
+def test_structured_output_after_reasoning_equals_no_spec(runs):
+    """With a reasoning parser, the grammar applies from the end-of-reasoning token on, also
+    where a tree step accepts that token and tokens after it at once (vLLM's scheduler looks
+    for the end of reasoning in a step's last token only; DDTree in every token it appends)."""
+    (_, _, want, _), (_, _, got, _) = runs
+    assert [t for t, _, _ in got["reasoning"]] == [t for t, _, _ in want["reasoning"]]
+    ended = [(reasoning, content) for t, reasoning, content in got["reasoning"] if PAREN in t]
+    assert len(ended) >= 2
+    for _, content in ended:  # the grammar's alphabet and length from the "(" on
+        assert re.fullmatch(CODE.replace("{1,40}", "{0,40}"), content), content
+    # the control: the free text before it leaves that alphabet
+    assert any(not re.fullmatch(CODE.replace("{1,40}", "*"), r) for r, _ in ended)
 
 
 @pytest.mark.parametrize("name", DISTRIBUTIONS)

@@ -146,6 +146,35 @@ def _patch_scheduler() -> None:
             self, requests_, request_ids, spec_tokens, options.tree_parents
         )
 
+    @wrap(StructuredOutputManager, "should_advance")
+    def should_advance(original, self, request):
+        structured = request.structured_output_request
+        if (
+            options_of(self.vllm_config.speculative_config) is None
+            or structured is None
+            or structured.reasoning_ended is not False
+            or self.enable_in_reasoning
+            or self._get_reasoner(request) is None
+        ):
+            return original(self, request)
+        # Still reasoning. vLLM looks for the end of reasoning only past num_computed_tokens,
+        # which already counts the accepted drafts: only the step's last token. A tree step
+        # appends its whole accepted path, so every token appended since the last check is
+        # looked at; the tokens after the end marker advance the grammar now (past the marker:
+        # trim_reasoning_for_advance), as no-spec advances through them one step at a time.
+        reasoner = self._get_reasoner(request)
+        tokens = request.all_token_ids
+        start = getattr(structured, "ddtree_checked", request.num_prompt_tokens)
+        structured.ddtree_checked = len(tokens)
+        prefix = list(tokens[:start])
+        for index in range(start, len(tokens)):
+            prefix.append(tokens[index])
+            if reasoner.is_reasoning_end_streaming(prefix, [tokens[index]]):
+                structured.reasoning_ended = True
+                structured.reasoning_end_token_index = index
+                return True
+        return False
+
 
 def _share_lookup(scheduler, vllm_config, options) -> None:
     """``"auto"`` budgets: the scheduler's lookup starts at the tuner's first schedule and is
@@ -177,8 +206,6 @@ def _patch_request_validation() -> None:
         original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and options_of(self.speculative_config):
             reason = requests.unsupported_request(params)
-            if reason is None and params.structured_outputs is not None:
-                reason = requests.structured_output_refusal(self.vllm_config)
             if reason is not None:  # a ValueError here is a 400 in the OpenAI server
                 raise ValueError(reason)
 

@@ -7,9 +7,10 @@ top-k, top-p, min_p, logit_bias, allowed_token_ids and min_tokens through vLLM's
 row at the node's depth position, penalties and bad words with each node's own history
 (``v2/penalties.py``, ``v2/bad_words.py``), logprobs at the accepted path's rows
 (``TreeSampler.path_rows``) and structured output through the scheduler's per-node grammar
-(``v2/grammar.py``); the GPU equality cases ``pairopts``, ``pairpen`` and ``pairjson`` check
-them against no-spec. What cannot be served is refused, never silently ignored: in the front
-end (``InputProcessor._validate_params``: ``LLM.generate`` raises ValueError, the OpenAI server
+(``v2/grammar.py``; with a reasoning parser, gated per path as vLLM gates a chain); the GPU
+equality cases ``pairopts``, ``pairpen`` and ``pairjson`` check them against no-spec. What
+cannot be served is refused, never silently ignored: in the front end
+(``InputProcessor._validate_params``: ``LLM.generate`` raises ValueError, the OpenAI server
 answers 400 and keeps serving) and, on the V1 runner, again in the runner.
 """
 
@@ -34,19 +35,6 @@ def unsupported_request(params) -> str | None:
     for name, reason in REFUSED.items():
         if _is_set(params, name):
             return reason
-    return None
-
-
-def structured_output_refusal(vllm_config) -> str | None:
-    """Why structured output cannot be served in this engine (None: it can): the per-node
-    grammar bitmask (``v1/grammar.py``, both runners) does not follow a reasoning parser's
-    grammar gate yet."""
-    reasoning = getattr(vllm_config.structured_outputs_config, "reasoning_parser", "")
-    if reasoning:
-        return (
-            "structured output with ddtree is not supported with a reasoning parser yet "
-            f"(reasoning_parser={reasoning})"
-        )
     return None
 
 

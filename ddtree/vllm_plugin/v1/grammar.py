@@ -10,7 +10,10 @@ engines:
   node the grammar rejects is never accepted, because its token is masked out of its parent's
   row, where the target draws the token it is compared with;
 - row s of a request's bitmask is the grammar's mask after its root path (advanced from the
-  request's state, then rolled back), ``tree_grammar_bitmask``.
+  request's state, then rolled back), ``tree_grammar_bitmask``;
+- with a reasoning parser, while the request is still reasoning, each path is gated as vLLM
+  gates a chain of drafts: rows are unconstrained up to the path's end-of-reasoning token, and
+  from it on constrained by the grammar advanced through the tokens after it.
 
 The scheduler learns each node's parent from the proposer: the runner's draft tokens go to the
 scheduler as a ``TreeDraftTokenIds`` (vLLM's ``DraftTokenIds`` plus the parents of the
@@ -43,6 +46,24 @@ def root_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
     return paths[1:]
 
 
+def reasoning_ends(reasoner, history: list[int], tokens: list[int], parents: list[int]):
+    """Per draft ``s``: the index on its root path of the token that ends reasoning (the
+    first such), or None while the path is still reasoning; the parser's streaming check as
+    vLLM's scheduler runs it on a chain, over the node's own path."""
+    ends: list[int | None] = [None]  # the root: still reasoning
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(tokens, parents, strict=False):
+        path = paths[parent] + [token]
+        paths.append(path)
+        if ends[parent] is not None:
+            ends.append(ends[parent])
+        elif token != -1 and reasoner.is_reasoning_end_streaming(history + path, [token]):
+            ends.append(len(path) - 1)
+        else:
+            ends.append(None)
+    return ends[1:]
+
+
 def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_parents):
     """``StructuredOutputManager.grammar_bitmask`` for a DDTree engine: the bitmask rows of
     every structured request, root row then one per scheduled draft (vLLM's layout, which
@@ -72,16 +93,29 @@ def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_paren
                     f"ddtree: no tree shape reached the scheduler for structured-output "
                     f"request {req_id}"
                 )
+            # Where each path's grammar content starts: at the root while the grammar applies;
+            # while reasoning, after the path's end-of-reasoning token (None: not on it).
+            starts: list[int | None] = [0] * len(drafts)
+            if not apply:
+                reasoner = manager._get_reasoner(request)
+                starts = [None] * len(drafts)
+                if reasoner is not None and not manager.enable_in_reasoning:
+                    ends = reasoning_ends(reasoner, list(request.all_token_ids), drafts, parents)
+                    starts = [None if e is None else e + 1 for e in ends]
             for slot, path in enumerate(root_paths(drafts, parents), start=1):
+                start = starts[slot - 1]
+                if start is None:  # still reasoning along this path: no mask
+                    manager._fill_bitmasks(((grammar, row + slot, False),))
+                    continue
+                content = path[start:]
                 # validate_tokens first: accept_tokens logs an ERROR ("Failed to advance FSM")
                 # for every token it rejects, and a tree holds many nodes the grammar rejects.
                 known = -1 not in path and not grammar.is_terminated()
-                accepted = grammar.validate_tokens(path) if known else []
-                valid = len(accepted) == len(path)
-                if valid:
-                    grammar.accept_tokens(req_id, path)
-                manager._fill_bitmasks(((grammar, row + slot, apply and valid),))
-                if valid:
-                    grammar.rollback(len(path))
+                valid = known and len(grammar.validate_tokens(content)) == len(content)
+                if valid and content:
+                    grammar.accept_tokens(req_id, content)
+                manager._fill_bitmasks(((grammar, row + slot, valid),))
+                if valid and content:
+                    grammar.rollback(len(content))
         row += 1 + len(drafts)
     return manager._grammar_bitmask[:row].numpy()
