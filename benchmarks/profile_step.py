@@ -29,6 +29,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--host", action="store_true", help="also a cProfile run of the host")
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="requests per slot: with > 1, waves x concurrency requests of mixed lengths, so "
+        "that requests arrive (a prefill) while others decode, as in `ddtree bench`",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -60,10 +67,18 @@ def main() -> None:
         disable_log_stats=False,
         **extra,
     )
-    prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(args.concurrency)]
-    params = vllm.SamplingParams(
-        temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
-    )
+    count = args.concurrency * args.waves
+    prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(count)]
+    # one length with one wave; else 0.5x .. 1.5x the length, so that finishes (and arrivals)
+    # spread over the run
+    lengths = [
+        args.max_tokens if args.waves == 1 else args.max_tokens // 2 + (i * 7919) % args.max_tokens
+        for i in range(count)
+    ]
+    params = [
+        vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in lengths
+    ]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles, first graphs
 
     def steps() -> int:
@@ -78,6 +93,8 @@ def main() -> None:
         seconds = time.perf_counter() - start
     num_steps = steps() - before
     name = f"{'ddtree-' + str(args.budget) if args.budget else 'dflash'}_c{args.concurrency}"
+    if args.waves > 1:
+        name += f"_w{args.waves}"
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total_ms = sum(e.self_device_time_total for e in events) / 1e3
