@@ -392,7 +392,7 @@ def test_v2_drafts_reach_the_scheduler_with_their_parents():
     import numpy as np
     from vllm.v1.outputs import DraftTokenIds
 
-    from ddtree.vllm_plugin.v1.grammar import TreeDraftTokenIds, root_paths
+    from ddtree.vllm_plugin.v1.grammar import TreeDraftTokenIds
     from ddtree.vllm_plugin.v2.grammar import with_parents
 
     drafts = DraftTokenIds(["a", "b"], [[5, 6, 7], [8, 9, 10]])
@@ -401,14 +401,13 @@ def test_v2_drafts_reach_the_scheduler_with_their_parents():
     assert isinstance(got, TreeDraftTokenIds)
     assert got.req_ids == ["a", "b"] and got.draft_token_ids == drafts.draft_token_ids
     assert got.ddtree_parents == {"a": [0, 0, 1], "b": [0, 1, 2]}
-    assert root_paths(got.draft_token_ids[0], got.ddtree_parents["a"]) == [[5], [6], [5, 7]]
 
 
 def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
     """The scheduler's bitmask for a tree: row 0 from the request's state, row s from the state
-    after draft s's root path, the full mask where the grammar rejects that path; the grammar is
-    left where it was, and never asked to accept a token it rejects (vLLM's backends log an
-    ERROR for each)."""
+    after draft s's root path, the full mask where the grammar rejects that path; the grammar
+    moves one token per node, is left where it was, and is never asked to accept a token it
+    rejects (vLLM's backends log an ERROR for each)."""
     from types import SimpleNamespace
 
     import torch
@@ -417,7 +416,7 @@ def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
 
     class Grammar:  # accepts the token sequences in ``valid`` (prefix-closed)
         def __init__(self, valid):
-            self.valid, self.seq, self.rejected = valid, [], []
+            self.valid, self.seq, self.rejected, self.advances = valid, [], [], 0
 
         def is_terminated(self):
             return False
@@ -436,6 +435,7 @@ def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
                     self.rejected.append(t)
                     return False
                 self.seq.append(t)
+                self.advances += 1
             return True
 
         def rollback(self, n):
@@ -459,6 +459,7 @@ def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
                                 {"r": [0, 0, 1, 3]})  # fmt: skip
     assert rows.tolist() == [0, 105, 106, 207, -1]
     assert grammar.rejected == [] and grammar.seq == []
+    assert grammar.advances == 3  # one per node the grammar allows (depth first), not per path
 
 
 def test_tree_grammar_bitmask_gates_each_path_at_its_end_of_reasoning():
@@ -469,7 +470,7 @@ def test_tree_grammar_bitmask_gates_each_path_at_its_end_of_reasoning():
 
     import torch
 
-    from ddtree.vllm_plugin.v1.grammar import reasoning_ends, tree_grammar_bitmask
+    from ddtree.vllm_plugin.v1.grammar import tree_grammar_bitmask
 
     END = 9
 
@@ -518,7 +519,6 @@ def test_tree_grammar_bitmask_gates_each_path_at_its_end_of_reasoning():
     # drafts 5, END, 7, END, 8, 6 with parents root, 1, 2, root, 4, 5:
     # paths [5] [5 E] [5 E 7] [E] [E 8] [E 8 6]
     drafts, parents = [5, END, 7, END, 8, 6], [0, 1, 2, 0, 4, 5]
-    assert reasoning_ends(Reasoner(), [1, 2], drafts, parents) == [None, 1, 1, 0, 0, 0]
     grammar = Grammar({(), (7,), (8,)})  # after reasoning: 7 or 8, nothing after them
     request = SimpleNamespace(
         structured_output_request=SimpleNamespace(grammar=grammar), all_token_ids=[1, 2]

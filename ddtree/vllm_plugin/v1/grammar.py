@@ -9,8 +9,9 @@ engines:
 - the drafts are kept whole (``Scheduler.update_draft_token_ids`` without the chain check): a
   node the grammar rejects is never accepted, because its token is masked out of its parent's
   row, where the target draws the token it is compared with;
-- row s of a request's bitmask is the grammar's mask after its root path (advanced from the
-  request's state, then rolled back), ``tree_grammar_bitmask``;
+- row s of a request's bitmask is the grammar's mask after its root path, ``tree_grammar_bitmask``:
+  the tree is walked depth first, the grammar advanced one token on the way down and rolled
+  back on the way up (one advance per node, as vLLM's per draft of a chain);
 - with a reasoning parser, while the request is still reasoning, each path is gated as vLLM
   gates a chain of drafts: rows are unconstrained up to the path's end-of-reasoning token, and
   from it on constrained by the grammar advanced through the tokens after it.
@@ -35,33 +36,48 @@ class TreeDraftTokenIds(DraftTokenIds):
     ddtree_parents: dict[str, list[int]] = field(default_factory=dict)
 
 
-def root_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
-    """Per draft ``s`` (``tokens[s - 1]``, parent slot ``parents[s - 1]``; slot 0 is the root):
-    the draft tokens from the root down to ``s``."""
-    paths: list[list[int]] = [[]]
-    for slot, (token, parent) in enumerate(zip(tokens, parents, strict=False), start=1):
+def _fill_tree_rows(manager, grammar, req_id, row, drafts, parents, apply, reasoning) -> None:
+    """Bitmask rows ``row + s`` of one request's drafts ``s``, depth first from the root: the
+    grammar moves one token per node (accepted on the way down, rolled back on the way up), as
+    vLLM advances it once per draft of a chain. A node's row is its path's grammar mask; no
+    mask (any token) where the path is still reasoning, holds a placeholder (-1), or leaves
+    the grammar (such a node is never accepted: its token is masked out of its parent's row).
+    ``apply``: the grammar applies from the root; else ``reasoning`` = (parser, tokens so far)
+    while the request reasons, None when nothing gates (its rows take no mask)."""
+    children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]
+    for slot, parent in enumerate(parents[: len(drafts)], start=1):
         if not 0 <= parent < slot:
             raise RuntimeError(f"ddtree: draft {slot} has parent {parent}, not an earlier slot")
-        paths.append(paths[parent] + [token])
-    return paths[1:]
+        children[parent].append(slot)
+    usable = not grammar.is_terminated()
 
-
-def reasoning_ends(reasoner, history: list[int], tokens: list[int], parents: list[int]):
-    """Per draft ``s``: the index on its root path of the token that ends reasoning (the
-    first such), or None while the path is still reasoning; the parser's streaming check as
-    vLLM's scheduler runs it on a chain, over the node's own path."""
-    ends: list[int | None] = [None]  # the root: still reasoning
-    paths: list[list[int]] = [[]]
-    for token, parent in zip(tokens, parents, strict=False):
-        path = paths[parent] + [token]
-        paths.append(path)
-        if ends[parent] is not None:
-            ends.append(ends[parent])
-        elif token != -1 and reasoner.is_reasoning_end_streaming(history + path, [token]):
-            ends.append(len(path) - 1)
+    def visit(slot: int, mode: str, path: list[int]) -> None:
+        # mode: "grammar" (the grammar is at the parent's state), "reasoning", "free" (no mask)
+        token = drafts[slot - 1]
+        path = path + [token] if mode == "reasoning" else path
+        accepted = False
+        if token == -1 or mode == "free":
+            mode = "free"
+        elif mode == "reasoning":
+            reasoner, history = reasoning
+            if reasoner.is_reasoning_end_streaming(history + path, [token]):
+                mode = "grammar" if usable else "free"  # the grammar applies from here on
+        elif usable and len(grammar.validate_tokens([token])) == 1:
+            # validate first: accept_tokens logs an ERROR ("Failed to advance FSM") for every
+            # token it rejects, and a tree holds many nodes the grammar rejects
+            grammar.accept_tokens(req_id, [token])
+            accepted = True
         else:
-            ends.append(None)
-    return ends[1:]
+            mode = "free"
+        manager._fill_bitmasks(((grammar, row + slot, mode == "grammar"),))
+        for child in children[slot]:
+            visit(child, mode, path)
+        if accepted:
+            grammar.rollback(1)
+
+    start = "grammar" if apply and usable else "reasoning" if reasoning else "free"
+    for child in children[0]:
+        visit(child, start, [])
 
 
 def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_parents):
@@ -93,29 +109,11 @@ def tree_grammar_bitmask(manager, requests, request_ids, spec_tokens, tree_paren
                     f"ddtree: no tree shape reached the scheduler for structured-output "
                     f"request {req_id}"
                 )
-            # Where each path's grammar content starts: at the root while the grammar applies;
-            # while reasoning, after the path's end-of-reasoning token (None: not on it).
-            starts: list[int | None] = [0] * len(drafts)
+            reasoning = None  # while the request reasons: (its parser, its tokens so far)
             if not apply:
                 reasoner = manager._get_reasoner(request)
-                starts = [None] * len(drafts)
                 if reasoner is not None and not manager.enable_in_reasoning:
-                    ends = reasoning_ends(reasoner, list(request.all_token_ids), drafts, parents)
-                    starts = [None if e is None else e + 1 for e in ends]
-            for slot, path in enumerate(root_paths(drafts, parents), start=1):
-                start = starts[slot - 1]
-                if start is None:  # still reasoning along this path: no mask
-                    manager._fill_bitmasks(((grammar, row + slot, False),))
-                    continue
-                content = path[start:]
-                # validate_tokens first: accept_tokens logs an ERROR ("Failed to advance FSM")
-                # for every token it rejects, and a tree holds many nodes the grammar rejects.
-                known = -1 not in path and not grammar.is_terminated()
-                valid = known and len(grammar.validate_tokens(content)) == len(content)
-                if valid and content:
-                    grammar.accept_tokens(req_id, content)
-                manager._fill_bitmasks(((grammar, row + slot, valid),))
-                if valid and content:
-                    grammar.rollback(len(content))
+                    reasoning = (reasoner, list(request.all_token_ids))
+            _fill_tree_rows(manager, grammar, req_id, row, drafts, parents, apply, reasoning)
         row += 1 + len(drafts)
     return manager._grammar_bitmask[:row].numpy()
