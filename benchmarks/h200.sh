@@ -150,6 +150,17 @@ b15)  # the chain vs DDTree at the chain's size (B=15) and B=63, c=1 and 16, T=0
   tar czf "$OUT/bench_b15.tgz" -C /tmp/bench_b15 --exclude=models .
   tail -12 "$OUT/bench_b15.txt"
   ;;
+hybrid)  # the tests' tiny hybrid pair (Qwen3.5 layout, 32 words, distilled drafter): the chain
+  # vs DDTree through vLLM (issue 21; B <= 30: vLLM's warm-up ids must fit the vocabulary)
+  timeout 300 python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; \
+from models import make_hybrid_pair; make_hybrid_pair(Path('/tmp/hybrid'))" > "$OUT/hybrid_pair.txt" 2>&1
+  timeout 600 python3 -m ddtree.cli bench --target /tmp/hybrid/target --draft /tmp/hybrid/drafter \
+    --random-prompts --methods dflash,ddtree --budgets 15,30 --concurrency 1,16 --temperatures 0,1 \
+    --max-tokens 128 --max-model-len 512 --title "tests' hybrid pair, $GPU" --out /tmp/bench_hybrid \
+    > "$OUT/bench_hybrid.txt" 2>&1
+  tar czf "$OUT/bench_hybrid.tgz" -C /tmp/bench_hybrid --exclude=models .
+  tail -20 "$OUT/bench_hybrid.txt"
+  ;;
 json)  # structured output (a JSON schema per request): the chain vs DDTree (issue 22)
   timeout 600 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
     --structured-output json --concurrency 1,16 --temperatures 0 --repeats 2 --max-tokens 128 \
@@ -193,7 +204,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|hybrid|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac

@@ -565,6 +565,7 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
     schedules = [[[1, 4, 255], [5, 512, 15]], [[1, 2, 63], [3, 512, 15]]]
     names = bench.engine_names(["dflash", "ddtree"], [15], schedules, auto=127)
     assert names == ["dflash", "ddtree-15", "ddtree-s1", "ddtree-s2", "ddtree-a127"]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     args = argparse.Namespace(
         target=tmp_path, draft=tmp_path, dtype="float32", max_model_len=64, dummy=False,
         concurrency=[1, 4], budgets=[15], ddtree_schedules=schedules, kv_cache_gib=1.0,
@@ -579,11 +580,26 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
     assert spec["ddtree_chain_seed"] is False
     assert bench.engine_kwargs("ddtree-15", args)["speculative_config"]["ddtree_budget"] == 15
     assert bench.schedule_label(schedules[0]) == "1-4: 255, 5-512: 15"
-    # The hybrid 27B shapes: text only; "mtp" is vLLM's MTP on the target's own layer.
-    args.dummy_shapes = "qwen3.6-27b"
+    assert "language_model_only" not in bench.engine_kwargs("ar", args)
+    # A hybrid target (here the 27B shapes): text only; "mtp" is vLLM's MTP on its own layer.
+    args.target, args.draft = bench.write_dummy_shapes(tmp_path / "models", "qwen3.6-27b")
     mtp = bench.engine_kwargs("mtp", args)
     assert mtp["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     assert mtp["language_model_only"] and bench.engine_kwargs("ar", args)["language_model_only"]
+    assert bench.engine_kwargs("ddtree-15", args)["language_model_only"]
+
+
+def test_random_prompts_stay_inside_the_targets_vocabulary(tmp_path):
+    """``--random-prompts`` (word-level test pairs): seeded ids in [2, V - 1), past the unknown
+    and EOS ids and short of the mask token; a multimodal config's text vocabulary is used."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 32}}))
+    args = _prompt_args(target=tmp_path, random_prompts=True, prompts=20, input_len=40)
+    prompts, source = bench.bench_prompts(args)
+    assert "random" in source and "[2, 31)" in source
+    assert len(prompts) == 20 and all(len(p) == 40 for p in prompts)
+    ids = {t for p in prompts for t in p}
+    assert min(ids) == 2 and max(ids) == 30
+    assert prompts == bench.bench_prompts(args)[0]
 
 
 def test_bench_plot_tokens_ratio_and_tau_panels(tmp_path):

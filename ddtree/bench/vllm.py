@@ -214,8 +214,10 @@ def engine_kwargs(name: str, args) -> dict:
         )
     else:
         kw.update(enforce_eager=True, gpu_memory_utilization=0.1)
-    if getattr(args, "dummy_shapes", None) == "qwen3.6-27b":
-        kw["language_model_only"] = True  # the stub vision tower is never loaded
+    if is_hybrid_target(args.target):
+        kw["language_model_only"] = True  # text prompts: the vision tower is never loaded
+        if cuda:  # vLLM's default GDN prefill on sm90 needs flashinfer, not in every install
+            kw["additional_config"] = {"gdn_prefill_backend": "triton"}
     if name == "ar":
         return kw
     if name == "mtp":
@@ -263,19 +265,48 @@ def engine_kwargs(name: str, args) -> dict:
     return kw
 
 
-def dummy_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """``count`` prompts of ``length`` random token ids (for ``--dummy-shapes``; seeded)."""
+def is_hybrid_target(target: Path) -> bool:
+    """Whether the checkpoint at ``target`` is a Qwen3.5 / 3.6 layout (Gated DeltaNet +
+    attention layers, loaded by vLLM as ``Qwen3_5ForConditionalGeneration``); a folder without
+    a config.json is left to vLLM's loader to refuse."""
+    path = Path(target) / "config.json"
+    if not path.exists():
+        return False
+    config = json.loads(path.read_text())
+    return any(a.startswith("Qwen3_5") for a in config.get("architectures", []))
+
+
+def target_vocab_size(target: Path) -> int:
+    """The target's vocabulary size (its text config's, for a multimodal checkpoint)."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+
+
+def dummy_prompts(
+    count: int, length: int, seed: int = 0, low: int = 1000, high: int = 100000
+) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids in [low, high) (seeded)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1000, 100000, (length,), generator=gen).tolist() for _ in range(count)]
+    return [torch.randint(low, high, (length,), generator=gen).tolist() for _ in range(count)]
 
 
 def bench_prompts(args) -> tuple[list[list[int]], str]:
     """The prompt set every engine runs, and where it comes from: held-out stdlib ``def`` lines
-    (as ``ddtree tau``) tokenized by the target's tokenizer, or random ids for dummy shapes."""
+    (as ``ddtree tau``) tokenized by the target's tokenizer, or random ids for dummy shapes
+    and with ``--random-prompts`` (ids 2 .. V - 2 of the target's vocabulary: past a word-level
+    pair's unknown and EOS tokens, short of its mask token)."""
     if args.dummy:
         return dummy_prompts(args.prompts, args.input_len), "random token ids, seed 0"
+    if getattr(args, "random_prompts", False):
+        vocab = target_vocab_size(args.target)
+        if vocab < 4:
+            raise SystemExit(
+                f"ddtree bench: --random-prompts needs a vocabulary of >= 4, got {vocab}"
+            )
+        prompts = dummy_prompts(args.prompts, args.input_len, low=2, high=vocab - 1)
+        return prompts, f"random token ids in [2, {vocab - 1}), seed 0"
     from transformers import AutoTokenizer
 
     from ddtree.bench.tau import held_out_prompts
@@ -811,6 +842,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="distinct prompts: held-out stdlib def lines (as `ddtree tau`), "
         "random ids with --dummy-shapes",
+    )
+    parser.add_argument(
+        "--random-prompts",
+        action="store_true",
+        help="random token ids of the target's vocabulary instead of held-out text (word-level "
+        "test pairs, e.g. the tiny hybrid pair of `h200.sh hybrid`)",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument(
