@@ -403,6 +403,61 @@ def test_v2_drafts_reach_the_scheduler_with_their_parents():
     assert got.ddtree_parents == {"a": [0, 0, 1], "b": [0, 1, 2]}
 
 
+class _PrefixGrammar:
+    """A grammar accepting the token sequences in ``valid`` (prefix-closed); counts the tokens
+    it advanced by and records any it was asked to accept but rejects."""
+
+    def __init__(self, valid):
+        self.valid, self.seq, self.rejected, self.advances = valid, [], [], 0
+
+    def is_terminated(self):
+        return False
+
+    def validate_tokens(self, tokens):
+        out = []
+        for t in tokens:
+            if tuple(self.seq + out + [t]) not in self.valid:
+                break
+            out.append(t)
+        return out
+
+    def accept_tokens(self, request_id, tokens):
+        for t in tokens:
+            if tuple(self.seq + [t]) not in self.valid:
+                self.rejected.append(t)
+                return False
+            self.seq.append(t)
+            self.advances += 1
+        return True
+
+    def rollback(self, n):
+        del self.seq[len(self.seq) - n :]
+
+
+class _BitmaskManager:
+    """The ``StructuredOutputManager`` members the tree bitmask uses; a row holds the grammar's
+    state, encoded (100 x tokens advanced + the last token), or -1 for no mask."""
+
+    enable_in_reasoning = False
+
+    def __init__(self, apply: bool = True, reasoner=None):
+        import torch
+
+        self._grammar_bitmask = torch.zeros(8, dtype=torch.long)
+        self.apply, self.reasoner = apply, reasoner
+
+    def should_fill_bitmask(self, request):
+        return self.apply
+
+    def _get_reasoner(self, request):
+        return self.reasoner
+
+    def _fill_bitmasks(self, batch):
+        for grammar, index, apply in batch:
+            state = len(grammar.seq) * 100 + (grammar.seq[-1] if grammar.seq else 0)
+            self._grammar_bitmask[index] = state if apply else -1
+
+
 def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
     """The scheduler's bitmask for a tree: row 0 from the request's state, row s from the state
     after draft s's root path, the full mask where the grammar rejects that path; the grammar
@@ -410,52 +465,12 @@ def test_tree_grammar_bitmask_fills_each_node_from_its_root_path():
     rejects (vLLM's backends log an ERROR for each)."""
     from types import SimpleNamespace
 
-    import torch
-
     from ddtree.vllm_plugin.v1.grammar import tree_grammar_bitmask
 
-    class Grammar:  # accepts the token sequences in ``valid`` (prefix-closed)
-        def __init__(self, valid):
-            self.valid, self.seq, self.rejected, self.advances = valid, [], [], 0
-
-        def is_terminated(self):
-            return False
-
-        def validate_tokens(self, tokens):
-            out = []
-            for t in tokens:
-                if tuple(self.seq + out + [t]) not in self.valid:
-                    break
-                out.append(t)
-            return out
-
-        def accept_tokens(self, request_id, tokens):
-            for t in tokens:
-                if tuple(self.seq + [t]) not in self.valid:
-                    self.rejected.append(t)
-                    return False
-                self.seq.append(t)
-                self.advances += 1
-            return True
-
-        def rollback(self, n):
-            del self.seq[len(self.seq) - n :]
-
-    class Manager:
-        _grammar_bitmask = torch.zeros(8, dtype=torch.long)
-
-        def should_fill_bitmask(self, request):
-            return True
-
-        def _fill_bitmasks(self, batch):
-            for grammar, index, apply in batch:  # the state, encoded; -1: the full mask
-                state = len(grammar.seq) * 100 + (grammar.seq[-1] if grammar.seq else 0)
-                self._grammar_bitmask[index] = state if apply else -1
-
-    grammar = Grammar({(), (5,), (6,), (5, 7)})
+    grammar = _PrefixGrammar({(), (5,), (6,), (5, 7)})
     requests = {"r": SimpleNamespace(structured_output_request=SimpleNamespace(grammar=grammar))}
     # drafts 5, 6, 7, 8 with parents root, root, draft 1, draft 3: paths [5] [6] [5 7] [5 7 8]
-    rows = tree_grammar_bitmask(Manager(), requests, ["r"], {"r": [5, 6, 7, 8]},
+    rows = tree_grammar_bitmask(_BitmaskManager(), requests, ["r"], {"r": [5, 6, 7, 8]},
                                 {"r": [0, 0, 1, 3]})  # fmt: skip
     assert rows.tolist() == [0, 105, 106, 207, -1]
     assert grammar.rejected == [] and grammar.seq == []
@@ -468,8 +483,6 @@ def test_tree_grammar_bitmask_gates_each_path_at_its_end_of_reasoning():
     grammar advanced through the path's tokens after it (vLLM's gate on a chain, per path)."""
     from types import SimpleNamespace
 
-    import torch
-
     from ddtree.vllm_plugin.v1.grammar import tree_grammar_bitmask
 
     END = 9
@@ -478,57 +491,20 @@ def test_tree_grammar_bitmask_gates_each_path_at_its_end_of_reasoning():
         def is_reasoning_end_streaming(self, input_ids, delta_ids):
             return END in delta_ids
 
-    class Grammar:  # accepts the sequences in ``valid`` (prefix-closed)
-        def __init__(self, valid):
-            self.valid, self.seq = valid, []
-
-        def is_terminated(self):
-            return False
-
-        def validate_tokens(self, tokens):
-            out = []
-            for t in tokens:
-                if tuple(self.seq + out + [t]) not in self.valid:
-                    break
-                out.append(t)
-            return out
-
-        def accept_tokens(self, request_id, tokens):
-            assert tuple(self.seq + tokens) in self.valid
-            self.seq += tokens
-            return True
-
-        def rollback(self, n):
-            del self.seq[len(self.seq) - n :]
-
-    class Manager:
-        _grammar_bitmask = torch.zeros(8, dtype=torch.long)
-        enable_in_reasoning = False
-
-        def should_fill_bitmask(self, request):
-            return False  # reasoning has not ended before this step
-
-        def _get_reasoner(self, request):
-            return Reasoner()
-
-        def _fill_bitmasks(self, batch):
-            for grammar, index, apply in batch:  # the state, encoded; -1: no mask
-                state = len(grammar.seq) * 100 + (grammar.seq[-1] if grammar.seq else 0)
-                self._grammar_bitmask[index] = state if apply else -1
-
     # drafts 5, END, 7, END, 8, 6 with parents root, 1, 2, root, 4, 5:
     # paths [5] [5 E] [5 E 7] [E] [E 8] [E 8 6]
     drafts, parents = [5, END, 7, END, 8, 6], [0, 1, 2, 0, 4, 5]
-    grammar = Grammar({(), (7,), (8,)})  # after reasoning: 7 or 8, nothing after them
+    grammar = _PrefixGrammar({(), (7,), (8,)})  # after reasoning: 7 or 8, nothing after them
     request = SimpleNamespace(
         structured_output_request=SimpleNamespace(grammar=grammar), all_token_ids=[1, 2]
     )
-    rows = tree_grammar_bitmask(Manager(), {"r": request}, ["r"], {"r": drafts},
+    manager = _BitmaskManager(apply=False, reasoner=Reasoner())  # reasoning, not yet ended
+    rows = tree_grammar_bitmask(manager, {"r": request}, ["r"], {"r": drafts},
                                 {"r": parents})  # fmt: skip
     # root and [5]: reasoning; [5 E], [E]: the grammar's start; [5 E 7], [E 8]: after 7 / 8;
     # [E 8 6]: rejected content (never accepted: 6 is masked out of its parent's row)
     assert rows.tolist() == [-1, -1, 0, 107, 0, 108, -1]
-    assert grammar.seq == []
+    assert grammar.rejected == [] and grammar.seq == []
 
 
 def test_async_scheduling_drafts_reach_the_grammar_whole_with_their_parents():

@@ -154,15 +154,16 @@ def _patch_scheduler() -> None:
             or structured is None
             or structured.reasoning_ended is not False
             or self.enable_in_reasoning
-            or self._get_reasoner(request) is None
         ):
+            return original(self, request)
+        reasoner = self._get_reasoner(request)
+        if reasoner is None:
             return original(self, request)
         # Still reasoning. vLLM looks for the end of reasoning only past num_computed_tokens,
         # which already counts the accepted drafts: only the step's last token. A tree step
         # appends its whole accepted path, so every token appended since the last check is
         # looked at; the tokens after the end marker advance the grammar now (past the marker:
         # trim_reasoning_for_advance), as no-spec advances through them one step at a time.
-        reasoner = self._get_reasoner(request)
         tokens = request.all_token_ids
         start = getattr(structured, "ddtree_checked", request.num_prompt_tokens)
         structured.ddtree_checked = len(tokens)
