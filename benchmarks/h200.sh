@@ -18,7 +18,7 @@
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
 #   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each)
-#   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each
+#   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
 #   bash benchmarks/h200.sh newtests # GPU tests of the V2 GDN glue and V2 penalties (~1 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
@@ -122,7 +122,7 @@ treetime)  # fused tree kernels' timings only, for each tree-kernel warp count i
   ;;
 bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree
   # (issue 21). ~56 GB of weights per engine: one engine per bench run, one run after another.
-  for methods in ar mtp dflash ddtree; do
+  for methods in ${BENCH27B_METHODS:-ar mtp dflash ddtree}; do
     timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$methods" \
       --budgets 15,63 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
       --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $methods, $GPU" \
@@ -155,7 +155,7 @@ hybrid)  # the tests' tiny hybrid pair (Qwen3.5 layout, 32 words, distilled draf
   timeout 300 python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; \
 from models import make_hybrid_pair; make_hybrid_pair(Path('/tmp/hybrid'))" > "$OUT/hybrid_pair.txt" 2>&1
   timeout 600 python3 -m ddtree.cli bench --target /tmp/hybrid/target --draft /tmp/hybrid/drafter \
-    --random-prompts --methods dflash,ddtree --budgets 15,30 --concurrency 1,16 --temperatures 0,1 \
+    --random-prompts --methods dflash,ddtree --budgets 15,30 --concurrency 1,16 --temperatures "${HYBRID_TEMPS:-0,1}" \
     --max-tokens 128 --max-model-len 512 --title "tests' hybrid pair, $GPU" --out /tmp/bench_hybrid \
     > "$OUT/bench_hybrid.txt" 2>&1
   tar czf "$OUT/bench_hybrid.tgz" -C /tmp/bench_hybrid --exclude=models .
@@ -196,7 +196,10 @@ collect)
   while [ ! -f /tmp/res/done ] && [ $SECONDS -lt $end ]; do sleep 5; done
   for d in /tmp/res/*/; do
     m=$(basename "$d")
-    [ -f "/tmp/res/$m.done" ] || { echo "== $m: running"; tail -5 "/tmp/res/$m.log"; continue; }
+    if [ ! -f "/tmp/res/$m.done" ]; then  # what it wrote so far comes back too
+      tar czf "$OUT/$m.partial.tgz" -C /tmp/res "$m" "$m.log"
+      echo "== $m: running"; tail -5 "/tmp/res/$m.log"; continue
+    fi
     tar czf "$OUT/$m.tgz" -C /tmp/res "$m" "$m.log"
     echo "== $m"; tail -25 "/tmp/res/$m.log"
   done
