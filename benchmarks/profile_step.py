@@ -4,7 +4,8 @@ in-process engine (so the profiler sees the engine's kernels), kernels grouped a
     python benchmarks/profile_step.py --budget 63 --concurrency 16 --out DIR [--dummy-shapes]
 
 Writes DIR/profile_<engine>_c<c>.txt (top kernels by CUDA time, per step) and prints a
-summary line per run: ms of GPU time per engine step and the share of DDTree's own kernels.
+summary line per run: ms per step of a plain run (and its steps' mean period by kind: all
+decode, mixed with prefills, prefill only), of the profiled run, and of GPU time.
 With ``--host``, one more run under cProfile (the engine core runs in this process: scheduler,
 runner, drafter, sampler) writes DIR/host_<engine>_c<c>.txt: Python functions by own and by
 cumulative time per step, where a step's host time goes (the bundled pair's steps are
@@ -45,6 +46,7 @@ def main() -> None:
     from ddtree.vllm_plugin.patches import register
 
     register()  # the engine runs in this process: its plugin too, whether installed or not
+    step_log = log_steps()
 
     root = Path(__file__).resolve().parent.parent
     target, drafter = root / "models" / "target", root / "models" / "drafter"
@@ -84,6 +86,13 @@ def main() -> None:
     def steps() -> int:
         return next(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total")
 
+    before = steps()  # a plain run first: the step's wall time without a profiler's overhead
+    step_log.clear()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain_ms = 1e3 * (time.perf_counter() - start) / (steps() - before)
+    split = step_split(step_log)
+
     before = steps()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -99,12 +108,14 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total_ms = sum(e.self_device_time_total for e in events) / 1e3
     (args.out / f"profile_{name}.txt").write_text(
-        f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall per step, "
-        f"{total_ms / num_steps:.2f} ms GPU per step\n\n{table}\n"
+        f"{name}: {num_steps} steps, {plain_ms:.2f} ms wall per step unprofiled, "
+        f"{1e3 * seconds / num_steps:.2f} profiled, {total_ms / num_steps:.2f} ms GPU per step"
+        f"\n{split}\n\n{table}\n"
     )
+    print(split)
     print(
-        f"{name}: {num_steps} steps, {1e3 * seconds / num_steps:.2f} ms wall/step, "
-        f"{total_ms / num_steps:.2f} ms GPU/step"
+        f"{name}: {num_steps} steps, {plain_ms:.2f} ms wall/step unprofiled, "
+        f"{1e3 * seconds / num_steps:.2f} profiled, {total_ms / num_steps:.2f} ms GPU/step"
     )
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
     for e in top:
@@ -113,6 +124,37 @@ def main() -> None:
     if args.host:
         host_profile(llm, prompts, params, steps, args.out / f"host_{name}.txt")
     llm.llm_engine.engine_core.shutdown()
+
+
+def log_steps() -> list[tuple[float, str]]:
+    """(time, kind) at each call of the V2 runner's ``execute_model`` in this process; kind:
+    ``decode`` (every request has drafts), ``mixed`` (some prefill among them) or ``prefill``."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    log: list[tuple[float, str]] = []
+    original = GPUModelRunner.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if not kwargs.get("dummy_run") and scheduler_output.total_num_scheduled_tokens:
+            drafts = scheduler_output.scheduled_spec_decode_tokens
+            have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
+            kind = "decode" if all(have) else ("mixed" if any(have) else "prefill")
+            log.append((time.perf_counter(), kind))
+        return original(self, scheduler_output, *args, **kwargs)
+
+    GPUModelRunner.execute_model = execute_model
+    return log
+
+
+def step_split(log: list[tuple[float, str]]) -> str:
+    """Mean ms from a step's ``execute_model`` call to the next one, by the step's kind (with
+    async scheduling: the host's step time, the GPU's where it is the longer)."""
+    gaps: dict[str, list[float]] = {}
+    for (t, kind), (t_next, _) in zip(log[:-1], log[1:], strict=True):
+        gaps.setdefault(kind, []).append(1e3 * (t_next - t))
+    return "  step split: " + ", ".join(
+        f"{kind} {len(g)} steps {sum(g) / len(g):.2f} ms" for kind, g in sorted(gaps.items())
+    )
 
 
 def host_profile(llm, prompts, params, steps, path: Path) -> None:
