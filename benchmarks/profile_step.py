@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--host", action="store_true", help="also a cProfile run of the host")
     parser.add_argument(
+        "--plain-only", action="store_true", help="only the plain run: its ms per step by kind"
+    )
+    parser.add_argument(
         "--waves",
         type=int,
         default=1,
@@ -90,8 +93,16 @@ def main() -> None:
     step_log.clear()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    plain_ms = 1e3 * (time.perf_counter() - start) / (steps() - before)
+    plain_steps = steps() - before
+    plain_ms = 1e3 * (time.perf_counter() - start) / plain_steps
     split = step_split(step_log)
+    name = f"{'ddtree-' + str(args.budget) if args.budget else 'dflash'}_c{args.concurrency}"
+    if args.waves > 1:
+        name += f"_w{args.waves}"
+    if args.plain_only:
+        print(f"{name}: {plain_steps} steps, {plain_ms:.2f} ms wall/step unprofiled\n{split}")
+        llm.llm_engine.engine_core.shutdown()
+        return
 
     before = steps()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -101,9 +112,6 @@ def main() -> None:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     num_steps = steps() - before
-    name = f"{'ddtree-' + str(args.budget) if args.budget else 'dflash'}_c{args.concurrency}"
-    if args.waves > 1:
-        name += f"_w{args.waves}"
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total_ms = sum(e.self_device_time_total for e in events) / 1e3
