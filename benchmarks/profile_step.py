@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--dummy-shapes", action="store_true", help="Qwen3-8B shapes")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", help="float32 for a CPU dry run")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--host", action="store_true", help="also a cProfile run of the host")
     parser.add_argument(
@@ -63,7 +64,7 @@ def main() -> None:
     llm = vllm.LLM(
         model=str(target),
         speculative_config=spec,
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_model_len=2048,
         max_num_seqs=args.concurrency,
         seed=0,
@@ -135,22 +136,26 @@ def main() -> None:
 
 
 def log_steps() -> list[tuple[float, str]]:
-    """(time, kind) at each call of the V2 runner's ``execute_model`` in this process; kind:
+    """(time, kind) at each call of a runner's ``execute_model`` in this process; kind:
     ``decode`` (every request has drafts), ``mixed`` (some prefill among them) or ``prefill``."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner  # the CPU's too
 
     log: list[tuple[float, str]] = []
-    original = GPUModelRunner.execute_model
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        if not kwargs.get("dummy_run") and scheduler_output.total_num_scheduled_tokens:
-            drafts = scheduler_output.scheduled_spec_decode_tokens
-            have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
-            kind = "decode" if all(have) else ("mixed" if any(have) else "prefill")
-            log.append((time.perf_counter(), kind))
-        return original(self, scheduler_output, *args, **kwargs)
+    def logged(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            if not kwargs.get("dummy_run") and scheduler_output.total_num_scheduled_tokens:
+                drafts = scheduler_output.scheduled_spec_decode_tokens
+                have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
+                kind = "decode" if all(have) else ("mixed" if any(have) else "prefill")
+                log.append((time.perf_counter(), kind))
+            return original(self, scheduler_output, *args, **kwargs)
 
-    GPUModelRunner.execute_model = execute_model
+        return execute_model
+
+    for runner in (GPUModelRunner, V1Runner):
+        runner.execute_model = logged(runner.execute_model)
     return log
 
 
