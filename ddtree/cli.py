@@ -113,6 +113,12 @@ def _train(args: argparse.Namespace) -> int:
             time_limit=args.time_limit,
             **_small(args, "drafter"),
         )
+        num_layers = target.config.get_text_config().num_hidden_layers
+        if max(recipe.target_layer_ids) >= num_layers:  # the recipe's [1, 2, 4] needs 5+
+            from ddtree.dflash import default_target_layer_ids
+
+            recipe.target_layer_ids = default_target_layer_ids(num_layers, 3)
+            print(f"drafter features: target layers {recipe.target_layer_ids}")
         mask_id = tokenizer.convert_tokens_to_ids(MASK)
         cache = args.distill_cache
         if cache is not None and cache.exists():
@@ -138,6 +144,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _train_sizes(args: argparse.Namespace) -> None:
     """Fill the size flags left out with the recipe's defaults, or --tiny's."""
     for name, default in (TINY_DEFAULTS if args.tiny else TRAIN_DEFAULTS).items():
@@ -146,9 +159,20 @@ def _train_sizes(args: argparse.Namespace) -> None:
 
 
 def _small(args: argparse.Namespace, which: str) -> dict:
-    """--tiny: the shapes of a seconds-long CPU smoke run of the whole recipe."""
+    """Recipe fields set by flags: --tiny's shapes of a seconds-long CPU smoke run of the
+    whole recipe, then --target-layers, --batch and --seq-len over them."""
+    given = {}
+    if which in ("target", "drafter"):
+        given = {"batch": args.batch, "seq_len": args.seq_len}
+        if which == "target":
+            given["num_layers"] = args.target_layers
+    given = {name: value for name, value in given.items() if value is not None}
     if not args.tiny:
-        return {}
+        return given
+    return {**_tiny(args, which), **given}
+
+
+def _tiny(args: argparse.Namespace, which: str) -> dict:
     if which == "target":
         shapes = {"hidden_size": 32, "num_layers": 6, "intermediate_size": 64}
         if args.arch == "qwen3_5":  # heads of 32: vLLM's CPU attention serves no smaller
@@ -301,6 +325,24 @@ def main(argv: list[str] | None = None) -> int:
         choices=("qwen3", "qwen3_5"),  # ddtree.train.recipes.ARCHS (not imported: transformers)
         default="qwen3",
         help="the target: qwen3 (dense) or qwen3_5 (hybrid Gated DeltaNet, Qwen3.6's layout)",
+    )
+    train.add_argument(
+        "--target-layers",
+        type=_positive_int,
+        default=None,
+        help="target layers (default: the recipe's 6)",
+    )
+    train.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=None,
+        help="training windows per step, target and drafter (default: the recipe's 64 / 32)",
+    )
+    train.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="tokens per training window, target and drafter (default: the recipe's 512)",
     )
     train.add_argument("--drafter-layers", type=int, default=3)
     train.add_argument(

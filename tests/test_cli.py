@@ -147,3 +147,31 @@ def test_train_sizes_default_to_the_recipe_or_tiny(monkeypatch, flags, want):
         "drafter_steps": 4000,
         "distill_tokens": 3_000_000,
     }
+
+
+@pytest.mark.parametrize(
+    ("flags", "which", "want"),
+    [
+        ([], "target", {}),  # the recipe's own shapes
+        (["--target-layers", "4", "--batch", "16"], "target", {"num_layers": 4, "batch": 16}),
+        (["--target-layers", "4", "--seq-len", "256"], "drafter", {"seq_len": 256}),
+        (["--batch", "16"], "distill", {}),  # distillation keeps its own batch
+        (["--tiny", "--arch", "qwen3_5", "--target-layers", "4"], "target", {"num_layers": 4}),
+    ],
+)
+def test_train_shape_flags_reach_the_recipes(monkeypatch, flags, which, want):
+    seen = {}
+    monkeypatch.setattr(ddtree.cli, "_train", lambda args: seen.update(args=args) or 0)
+    assert main(["train", "all", "--out", "unused", *flags]) == 0
+    fields = ddtree.cli._small(seen["args"], which)
+    assert {name: fields[name] for name in want} == want
+    if "--tiny" in flags:  # the flags win over --tiny's shapes, the rest of which stay
+        assert fields["hidden_size"] == 64 and fields["batch"] == 4
+    elif not want:
+        assert fields == {}
+
+
+def test_train_shape_flags_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "all", "--out", "unused", "--seq-len", "0"])
+    assert "must be a positive integer" in capsys.readouterr().err
