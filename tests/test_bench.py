@@ -660,3 +660,39 @@ def test_a_failed_engine_is_named_beside_the_table(tmp_path, monkeypatch):
     assert [r["engine"] for r in rows] == ["dflash"]
     assert "**ddtree-15: failed** (exit 1)" in table and "ddtree-15.log" in table
     assert "| dflash |" in table
+
+
+MEMORY_LOG = """\
+(EngineCore pid=1) INFO 12-05 [kv_cache_utils.py:2177] GPU KV cache size: 131,072 tokens
+(EngineCore pid=1) INFO 12-05 [kv_cache_utils.py:2179] Maximum concurrency for 4,096 tokens \
+per request: 32.50x
+(EngineCore pid=1) INFO 12-05 [gdn.py:110] ddtree: 48 GDN layers, tree stashes of 980.0 MiB \
+(16 requests x 64 slots)
+"""
+
+
+def test_memory_read_from_the_start_up_log():
+    memory = report.parse_memory_log(MEMORY_LOG)
+    assert memory == {
+        "kv_cache_tokens": 131072,
+        "max_model_len": 4096,
+        "max_concurrency": 32.5,
+        "stash_mib": 980.0,
+        "stash_requests": 16,
+    }
+    plain = report.parse_memory_log(MEMORY_LOG.rsplit("(EngineCore", 1)[0])
+    assert "stash_mib" not in plain and plain["max_concurrency"] == 32.5
+    assert report.parse_memory_log("no kv cache line here") is None
+    engines = {
+        "dflash": {"memory": plain, "kv_cache_gib": 8.0},
+        "ddtree-63": {"memory": memory, "kv_cache_gib": 8.0},
+        "cpu": {"memory": plain, "kv_cache_gib": None},
+        "failed": {"memory": None},
+    }
+    table = report.memory_table(engines)
+    assert "requests of 4,096 tokens" in table
+    assert "| dflash | 131,072 | 32.50 | 0.246 | - |" in table
+    assert "| ddtree-63 | 131,072 | 32.50 | 0.246 | 61.2 |" in table  # 980 MiB / 16 rows
+    assert "| cpu | 131,072 | 32.50 | - | - |" in table
+    assert "failed" not in table
+    assert report.memory_table({"failed": {"memory": None}}) is None

@@ -9,6 +9,7 @@ one per repeat before :func:`aggregate`).
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -192,6 +193,64 @@ def parse_acceptance_log(text: str) -> list[dict]:
         lambda r: isinstance(r.get("rows"), list) and isinstance(r.get("accepted"), list),
         "rows / accepted",
     )
+
+
+# vLLM's start-up lines (v1/core/kv_cache_utils.py) and DDTree's hybrid stash line
+# (vllm_plugin/v2/gdn.py): what a request costs in memory.
+_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_STASH = re.compile(r"tree stashes of ([\d.]+) MiB \((\d+) requests")
+
+
+def parse_memory_log(text: str) -> dict | None:
+    """An engine's KV cache from its start-up log: ``{"kv_cache_tokens", "max_model_len",
+    "max_concurrency"}`` and, for a DDTree engine of a hybrid target, ``"stash_mib"`` (the
+    tree stashes, outside the KV cache, for ``"stash_requests"`` request rows). None when the
+    log has no KV cache line."""
+    tokens, concurrency = _KV_TOKENS.search(text), _CONCURRENCY.search(text)
+    if tokens is None or concurrency is None:
+        return None
+    found = {
+        "kv_cache_tokens": int(tokens.group(1).replace(",", "")),
+        "max_model_len": int(concurrency.group(1).replace(",", "")),
+        "max_concurrency": float(concurrency.group(2)),
+    }
+    stash = _STASH.search(text)
+    if stash is not None:
+        found["stash_mib"] = float(stash.group(1))
+        found["stash_requests"] = int(stash.group(2))
+    return found
+
+
+def memory_table(engines: dict[str, dict]) -> str | None:
+    """One line per engine with a ``memory`` record: KV cache tokens, requests it holds at
+    max_model_len, and (with ``kv_cache_gib``, the pool size the bench set) GiB per request;
+    a hybrid DDTree engine's stashes (outside the pool) per request row beside it."""
+    lines = []
+    for name, engine in engines.items():
+        memory = engine.get("memory")
+        if not memory:
+            continue
+        pool = engine.get("kv_cache_gib")
+        per_request = f"{pool / memory['max_concurrency']:.3f}" if pool else "-"
+        stash = "-"
+        if memory.get("stash_mib") is not None:
+            stash = f"{memory['stash_mib'] / memory['stash_requests']:.1f}"
+        lines.append(
+            f"| {name} | {memory['kv_cache_tokens']:,} | {memory['max_concurrency']:.2f} | "
+            f"{per_request} | {stash} |"
+        )
+    if not lines:
+        return None
+    max_len = next(e["memory"]["max_model_len"] for e in engines.values() if e.get("memory"))
+    head = [
+        f"KV cache (vLLM's start-up report; requests of {max_len:,} tokens):",
+        "",
+        "| engine | KV cache tokens | requests it holds | GiB per request | "
+        "tree stash MiB per request |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    return "\n".join(head + lines)
 
 
 def sum_acceptance(reports: list[dict]) -> dict:

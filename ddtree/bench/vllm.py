@@ -33,7 +33,9 @@ from ddtree.bench.report import (
     add_ratios,
     aggregate,
     mean_profile,
+    memory_table,
     parse_acceptance_log,
+    parse_memory_log,
     parse_profile_log,
     plot,
     sum_acceptance,
@@ -531,7 +533,8 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
     prompt_set = json.loads(prompt_file.read_text())
     prompts = prompt_set["prompts"]
     t0 = time.time()
-    llm = vllm.LLM(**engine_kwargs(name, args))
+    kwargs = engine_kwargs(name, args)
+    llm = vllm.LLM(**kwargs)
     started = round(time.time() - t0, 1)
     for temperature in args.temperatures:  # warm-up: first uses compile (Triton) / allocate
         for concurrency in args.concurrency:
@@ -589,9 +592,12 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
         rows.append({"engine": name, **row})
         print(json.dumps(rows[-1]), flush=True)
     config = llm.llm_engine.vllm_config
+    memory = parse_memory_log(log.read_text(errors="replace")) if log is not None else None
     result = {
         "engine": name,
         "engine_start_s": started,
+        "memory": memory,
+        "kv_cache_gib": args.kv_cache_gib if "kv_cache_memory_bytes" in kwargs else None,
         "v2_model_runner": getattr(config, "use_v2_model_runner", None),
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,
@@ -804,6 +810,9 @@ def drive(args) -> list[dict]:
             f"\nddtree-s{i}: budget per batch size {schedule_label(schedule)}\n"
             for i, schedule in enumerate(args.ddtree_schedules, 1)
         )
+        memory = memory_table(engines)
+        if memory:
+            table += "\n" + memory + "\n"
         table += "".join(  # a failed engine has no row: say so beside the table
             f"\n**{n}: failed** (exit {procs[n].returncode}), no measurements: see {n}.log\n"
             for n in failed
