@@ -652,7 +652,7 @@ def test_a_failed_engine_is_named_beside_the_table(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.time, "sleep", lambda seconds: None)
     args = argparse.Namespace(
         out=tmp_path, engines=["dflash", "ddtree-15"], argv=[], concurrency=[1], input_len=None,
-        repeats=1, ddtree_schedules=[], ddtree_profile=None, ddtree_acceptance=None,
+        repeats=1, ddtree_schedules=[], ddtree_profile=None, ddtree_acceptance=None, step_log=None,
         title="t", target=tmp_path,
     )  # fmt: skip
     rows = bench.drive(args)
@@ -696,3 +696,37 @@ def test_memory_read_from_the_start_up_log():
     assert "| cpu | 131,072 | 32.50 | - | - |" in table
     assert "failed" not in table
     assert report.memory_table({"failed": {"memory": None}}) is None
+
+
+def test_step_periods_from_the_log_pooled_and_tabled():
+    lines = [
+        'WARNING ddtree-steps {"steps":4,"ms":{"verify":[3,15.0],"mixed":[1,8.0]}}',
+        'WARNING ddtree-steps {"steps":2,"ms":{"verify":[1,5.0],"plain":[1,2.0]}}',
+    ]
+    reports = report.parse_steps_log("\n".join(["noise", *lines]))
+    periods = report.sum_step_periods(reports)
+    assert periods == {
+        "verify": {"steps": 4, "ms": 5.0},
+        "mixed": {"steps": 1, "ms": 8.0},
+        "plain": {"steps": 1, "ms": 2.0},
+    }
+    with pytest.raises(ValueError, match="steps / ms"):
+        report.parse_steps_log('ddtree-steps {"ms": {}}')
+    base = {"engine": "dflash", "concurrency": 16, "temperature": 0.0, "tokens_per_s": 1.0}
+    runs = [
+        {**base, "repeat": 0, "step_periods": {"verify": {"steps": 2, "ms": 4.0}}},
+        {**base, "repeat": 1, "step_periods": {"verify": {"steps": 6, "ms": 6.0}}},
+    ]
+    (row,) = report.aggregate(runs)
+    assert row["step_periods"] == {"verify": {"steps": 8, "ms": 5.5}}  # (8 + 36) / 8
+    table = report.step_period_table([row, {**base, "engine": "ar"}])
+    assert "| dflash | 16 | 0 | 5.50 (8) | - | - |" in table
+    assert "| ar |" not in table
+    assert report.step_period_table([base]) is None
+
+
+def test_step_log_env_reaches_every_engine():
+    env = bench.engine_env("dflash", {"DDTREE_PROFILE": "9"}, 5, None, 7)
+    assert env["DDTREE_STEP_LOG"] == "7" and "DDTREE_PROFILE" not in env
+    assert bench.engine_env("ddtree-15", {}, None, None, 7)["DDTREE_STEP_LOG"] == "7"
+    assert "DDTREE_STEP_LOG" not in bench.engine_env("ar", {}, None, None, None)

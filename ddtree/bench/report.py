@@ -19,6 +19,7 @@ NO_SPEC = "ar"
 # The log lines vllm_plugin/debug.py writes (StepProfile, AcceptanceLog) and this module reads.
 PROFILE_MARKER = "ddtree-profile "
 ACCEPTANCE_MARKER = "ddtree-acceptance "
+STEPS_MARKER = "ddtree-steps "
 
 
 def _point(row: dict) -> tuple[int, float]:
@@ -71,6 +72,14 @@ def aggregate(runs: list[dict]) -> list[dict]:
         profiles = [r["profile"] for r in group if r.get("profile")]
         if profiles:
             row["profile"] = mean_profile(profiles)
+        periods = [r["step_periods"] for r in group if r.get("step_periods")]
+        if periods:  # pooled: each kind's steps and time over the repeats
+            row["step_periods"] = sum_step_periods(
+                [
+                    {"ms": {k: [v["steps"], v["steps"] * v["ms"]] for k, v in p.items()}}
+                    for p in periods
+                ]
+            )
         curves = [r["acceptance"] for r in group if r.get("acceptance")]
         if curves:
             from ddtree.budget import mean_accepted
@@ -253,6 +262,57 @@ def memory_table(engines: dict[str, dict]) -> str | None:
     return "\n".join(head + lines)
 
 
+def parse_steps_log(text: str) -> list[dict]:
+    """The ``ddtree-steps {...}`` reports in a log (``DDTREE_STEP_LOG``):
+    ``[{"steps": n, "ms": {kind: [steps, total ms]}}]``."""
+    return _marked_reports(
+        text,
+        STEPS_MARKER,
+        lambda r: isinstance(r.get("ms"), dict) and bool(r.get("steps")),
+        "steps / ms",
+    )
+
+
+def sum_step_periods(reports: list[dict]) -> dict:
+    """``{kind: {"steps": n, "ms": mean ms per step}}`` over step-log reports."""
+    totals: dict[str, list[float]] = {}
+    for report in reports:
+        for kind, (steps, ms) in report["ms"].items():
+            cell = totals.setdefault(kind, [0, 0.0])
+            cell[0] += steps
+            cell[1] += ms
+    return {
+        kind: {"steps": int(steps), "ms": round(ms / steps, 3)}
+        for kind, (steps, ms) in totals.items()
+        if steps
+    }
+
+
+def step_period_table(rows: list[dict]) -> str | None:
+    """Rows with ``step_periods``: one line per (engine, c, T), mean ms per step and steps of
+    each kind."""
+    logged = [r for r in rows if r.get("step_periods")]
+    if not logged:
+        return None
+    kinds = ("verify", "mixed", "plain")
+    lines = [
+        "| engine | c | T | " + " | ".join(f"{k} ms (steps)" for k in kinds) + " |",
+        "|---|---:|---:|" + "---:|" * len(kinds),
+    ]
+    for row in logged:
+        periods = row["step_periods"]
+        cells = [
+            f"{periods[k]['ms']:.2f} ({periods[k]['steps']})" if k in periods else "-"
+            for k in kinds
+        ]
+        lines.append(
+            f"| {row['engine']} | {row['concurrency']} | {row['temperature']:g} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def sum_acceptance(reports: list[dict]) -> dict:
     """``{"rows", "accepted"}`` summed over acceptance reports (or rows' ``acceptance``)."""
     return {
@@ -400,6 +460,16 @@ def summary_markdown(rows: list[dict], engines: list[str]) -> str:
             "DDTree step split (DDTREE_PROFILE, synchronized, ms per step):",
             "",
             profiles,
+        ]
+    periods = step_period_table(rows)
+    if periods:
+        parts += [
+            "",
+            "Step period by kind (DDTREE_STEP_LOG: one execute_model to the next, host clock; "
+            "verify: every request verifies drafts, mixed: some (a prefill among them), plain: "
+            "none):",
+            "",
+            periods,
         ]
     parts += [
         f"profile log of {r['engine']} c={r['concurrency']} T={r['temperature']:g} not read: "

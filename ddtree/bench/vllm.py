@@ -37,8 +37,10 @@ from ddtree.bench.report import (
     parse_acceptance_log,
     parse_memory_log,
     parse_profile_log,
+    parse_steps_log,
     plot,
     sum_acceptance,
+    sum_step_periods,
     summary_markdown,
 )
 from ddtree.budget import mean_accepted, schedule_label
@@ -47,6 +49,7 @@ from ddtree.vllm_plugin.config import budget_schedule
 
 PROFILE_ENV = "DDTREE_PROFILE"  # read at plugin registration (vllm_plugin/config.py)
 ACCEPTANCE_ENV = "DDTREE_ACCEPTANCE"
+STEP_LOG_ENV = "DDTREE_STEP_LOG"
 
 # Qwen3-8B's shapes, and a DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shapes (5 layers).
 QWEN3_8B = dict(
@@ -581,6 +584,13 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
                 reports += found
                 if found:
                     row["profile"] = mean_profile(found)
+            try:  # DDTREE_STEP_LOG's reports, likewise
+                periods = parse_steps_log(text)
+            except ValueError as err:
+                row["step_log_error"] = str(err)
+            else:
+                if periods:
+                    row["step_periods"] = sum_step_periods(periods)
             try:  # DDTREE_ACCEPTANCE's reports, likewise
                 curves = parse_acceptance_log(text)
             except ValueError as err:
@@ -667,11 +677,16 @@ class Turns:
 
 
 def engine_env(
-    name: str, base: dict[str, str], profile_every: int | None, acceptance_every: int | None = None
+    name: str,
+    base: dict[str, str],
+    profile_every: int | None,
+    acceptance_every: int | None = None,
+    step_log_every: int | None = None,
 ) -> dict[str, str]:
     """One engine process's environment: with ``--ddtree-profile N``, ``DDTREE_PROFILE=N`` for
     the DDTree engines and unset for the others (its synchronizing timer is DDTree's only);
-    ``--ddtree-acceptance N`` likewise sets ``DDTREE_ACCEPTANCE``."""
+    ``--ddtree-acceptance N`` likewise sets ``DDTREE_ACCEPTANCE``; ``--step-log N`` sets
+    ``DDTREE_STEP_LOG=N`` for every engine (no sync: the chain is timed the same way)."""
     env = dict(base)
     for variable, every in ((PROFILE_ENV, profile_every), (ACCEPTANCE_ENV, acceptance_every)):
         if every is not None:
@@ -679,6 +694,8 @@ def engine_env(
                 env[variable] = str(every)
             else:
                 env.pop(variable, None)
+    if step_log_every is not None:
+        env[STEP_LOG_ENV] = str(step_log_every)
     return env
 
 
@@ -759,7 +776,7 @@ def drive(args) -> list[dict]:
     for name in args.engines:
         log = (out / f"{name}.log").open("w")
         cmd = [sys.executable, "-m", "ddtree.cli", "bench", *args.argv, "--engine", name]
-        env = engine_env(name, base_env, args.ddtree_profile, args.ddtree_acceptance)
+        env = engine_env(name, base_env, args.ddtree_profile, args.ddtree_acceptance, args.step_log)
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         time.sleep(2)
     pending, ready = dict(procs), set()
@@ -798,6 +815,7 @@ def drive(args) -> list[dict]:
         },
         "ddtree_profile": args.ddtree_profile,
         "ddtree_acceptance": args.ddtree_acceptance,
+        "step_log": args.step_log,
         "engines": {n: {k: v for k, v in e.items() if k != "rows"} for n, e in engines.items()},
         "rows": rows,
         "runs": runs if args.repeats > 1 else None,
@@ -894,6 +912,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "report adds a budget plan (best budget per c) and a suggested schedule",
     )
     parser.add_argument(
+        "--step-log",
+        type=int,
+        default=None,
+        metavar="N",
+        help="DDTREE_STEP_LOG=N for every engine: each row gets its steps' mean period by "
+        "kind (every request verifying drafts, some: a prefill among them, none), host clock, "
+        "no sync; a table in the summary",
+    )
+    parser.add_argument(
         "--ddtree-schedules",
         type=json.loads,
         default=[],
@@ -953,8 +980,9 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         ("--max-tokens", args.max_tokens),
         ("--input-len", args.input_len),
         ("--repeats", args.repeats),
-        ("--ddtree-profile", args.ddtree_profile),  # these two: None when not given
+        ("--ddtree-profile", args.ddtree_profile),  # these three: None when not given
         ("--ddtree-acceptance", args.ddtree_acceptance),
+        ("--step-log", args.step_log),
     ):
         if value is not None and value < 1:
             raise SystemExit(f"ddtree bench: {flag} must be >= 1, got {value}")

@@ -40,7 +40,11 @@ class Settings:
       (default 64; ``tuner.py``);
     - ``DDTREE_ACCEPTANCE=N``: every N steps, what each budget K <= B would have accepted on
       the steps' walks (``ddtree.budget.AcceptanceCurve``: device sums, one host read per log
-      line), logged as ``ddtree-acceptance {...}`` (``ddtree bench --ddtree-acceptance``).
+      line), logged as ``ddtree-acceptance {...}`` (``ddtree bench --ddtree-acceptance``);
+    - ``DDTREE_STEP_LOG=N``: every N steps of any engine (the chain's and no-spec's too), the
+      mean host period from one ``execute_model`` to the next by the step's kind (every request
+      verifying drafts, some, none), logged as ``ddtree-steps {...}`` (``ddtree bench
+      --step-log``): no sync, so under async scheduling it is the step time the engine runs at.
     """
 
     tree_attention: str = "auto"
@@ -51,6 +55,7 @@ class Settings:
     tree_kernels: str = "auto"
     acceptance_every: int = 0
     tune_every: int = 64
+    step_log_every: int = 0
 
     @property
     def fused_tree_kernels(self) -> bool:
@@ -83,6 +88,7 @@ class Settings:
             tree_kernels=tree_kernels,
             acceptance_every=acceptance,
             tune_every=_steps("DDTREE_TUNE_EVERY") or 64,
+            step_log_every=_steps("DDTREE_STEP_LOG"),
         )
 
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ddtree.bench.report import ACCEPTANCE_MARKER, PROFILE_MARKER
+from ddtree.bench.report import ACCEPTANCE_MARKER, PROFILE_MARKER, STEPS_MARKER
 from ddtree.vllm_plugin import config
 
 log = logging.getLogger("vllm.ddtree")
@@ -132,3 +132,53 @@ class AcceptanceLog:
             report = {"steps": self.steps, "budget": self.budget, **sums}
             log.warning("%s%s", ACCEPTANCE_MARKER, json.dumps(report, separators=(",", ":")))
             self.steps = 0
+
+
+class StepPeriods:
+    """``DDTREE_STEP_LOG=N``: the host period from one ``execute_model`` call to the next, by
+    the step's kind, logged every N steps as ``ddtree-steps {"steps": n, "ms": {kind: [steps,
+    total ms]}}``. Kinds: ``verify`` (every request verifies drafts), ``mixed`` (some do: a
+    prefill among decodes), ``plain`` (none: prefills, or an engine without drafts). A step's
+    period is charged to its own kind. Host clock only: no sync."""
+
+    KINDS = ("verify", "mixed", "plain")
+
+    def __init__(self, every: int):
+        self.every = every
+        self.last: tuple[float, str] | None = None
+        self.sums: dict[str, list[float]] = {}
+        self.steps = 0
+
+    @staticmethod
+    def kind(scheduler_output) -> str:
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
+        return "verify" if all(have) else ("mixed" if any(have) else "plain")
+
+    def record(self, scheduler_output) -> None:
+        if not scheduler_output.total_num_scheduled_tokens:
+            return
+        now, kind = time.perf_counter(), self.kind(scheduler_output)
+        if self.last is not None:
+            start, last_kind = self.last
+            cell = self.sums.setdefault(last_kind, [0, 0.0])
+            cell[0] += 1
+            cell[1] += 1000 * (now - start)
+            self.steps += 1
+        self.last = (now, kind)
+        if self.steps >= self.every:
+            ms = {k: [int(v[0]), round(v[1], 3)] for k, v in self.sums.items()}
+            report = {"steps": self.steps, "ms": ms}
+            log.warning("%s%s", STEPS_MARKER, json.dumps(report, separators=(",", ":")))
+            self.sums, self.steps = {}, 0
+
+
+def record_step(runner, scheduler_output, dummy_run: bool = False) -> None:
+    """``DDTREE_STEP_LOG``: note the step in ``runner``'s own :class:`StepPeriods`."""
+    every = config.SETTINGS.step_log_every
+    if not every or dummy_run:
+        return
+    periods = getattr(runner, "ddtree_step_periods", None)
+    if periods is None:
+        periods = runner.ddtree_step_periods = StepPeriods(every)
+    periods.record(scheduler_output)

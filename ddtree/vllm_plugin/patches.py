@@ -7,7 +7,7 @@ engine's speculative config for DDTree options first.
 
 from __future__ import annotations
 
-from ddtree.vllm_plugin import config, gdn, requests, tuner
+from ddtree.vllm_plugin import config, debug, gdn, requests, tuner
 from ddtree.vllm_plugin.config import options_of
 from ddtree.vllm_plugin.hooks import replace, wrap, wrap_property
 from ddtree.vllm_plugin.v1 import grammar as v1_grammar
@@ -245,6 +245,11 @@ def _patch_v1_runner() -> None:
     replace(gmr, "DFlashProposer", DFlashOrDDTreeProposer)
     runner_cls = gmr.GPUModelRunner
 
+    @wrap(runner_cls, "execute_model")
+    def v1_execute_model(original, self, scheduler_output, *args, **kwargs):
+        debug.record_step(self, scheduler_output)  # DDTREE_STEP_LOG, any engine
+        return original(self, scheduler_output, *args, **kwargs)
+
     @wrap(runner_cls, "_prepare_inputs")
     def _prepare_inputs(original, self, scheduler_output, *args, **kwargs):
         result = original(self, scheduler_output, *args, **kwargs)
@@ -405,6 +410,7 @@ def _patch_v2_runner() -> None:
 
     @wrap(runner_cls, "execute_model")
     def execute_model(original, self, scheduler_output, *args, dummy_run=False, **kwargs):
+        debug.record_step(self, scheduler_output, dummy_run)  # DDTREE_STEP_LOG, any engine
         engine = engine_of(self)
         if engine is not None:
             v2_prepare.begin_step(engine, scheduler_output, dummy_run)
