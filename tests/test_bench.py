@@ -4,6 +4,7 @@ No vLLM engine starts here: the worker path runs against a fake ``vllm.LLM``."""
 
 import argparse
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -313,6 +314,9 @@ class FakeLLM:
             ),
         )
         FakeLLM.instances.append(self)
+        if self.log is not None:  # vLLM's start-up report of the KV cache
+            with self.log.open("a") as log:
+                log.write(MEMORY_LOG)
 
     def enqueue(self, prompt, params, use_tqdm=True):
         ids = tuple(prompt["prompt_token_ids"])
@@ -324,6 +328,10 @@ class FakeLLM:
     def _step(self):
         self.steps += 1
         self.batch_sizes.append(len(self.running))
+        if self.log is not None:  # DDTREE_STEP_LOG's line of this step, as the engine writes it
+            now = time.time()
+            with self.log.open("a") as log:
+                log.write(f'WARNING ddtree-steps {{"t":[{now},{now + 1e-4}],"k":"v"}}\n')
         if self.log is not None and self.steps % 4 == 0:
             with self.log.open("a") as log:
                 report = {"steps": 4, "ms_per_step": {"forward": float(self.steps)}}
@@ -399,6 +407,7 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(
             ddtree_schedules=[],
             ddtree_auto=None,
             structured_output=structured_output,
+            step_log=4,
             engines=[name],
             argv=argv,
             out=tmp_path,
@@ -438,6 +447,10 @@ def test_engine_workers_run_identical_requests_and_collect_the_profile(
         }
         assert row["accepted_by_budget"] == [0.75, 2.0]
     assert result["profile"]["steps"] == 4 * result["profile"]["reports"]
+    assert result["memory"]["stash_mib"] == 980.0 and result["kv_cache_gib"] is None  # no CUDA
+    for row in result["rows"]:  # the steps of its own window, none of the others'
+        assert row["step_periods"]["verify"]["steps"] == row["engine_steps"]
+        assert "window" not in row
     assert "profile" not in json.loads((tmp_path / "ar.json").read_text())["rows"][0]
     progress = json.loads((tmp_path / "ddtree-16.progress").read_text())
     assert progress == {"label": "c=4 T=1 #2/2", "done": 20, "total": 20}
@@ -698,20 +711,27 @@ def test_memory_read_from_the_start_up_log():
     assert report.memory_table({"failed": {"memory": None}}) is None
 
 
-def test_step_periods_from_the_log_pooled_and_tabled():
+def test_step_periods_from_the_log_by_window_pooled_and_tabled():
     lines = [
-        'WARNING ddtree-steps {"steps":4,"ms":{"verify":[3,15.0],"mixed":[1,8.0]}}',
-        'WARNING ddtree-steps {"steps":2,"ms":{"verify":[1,5.0],"plain":[1,2.0]}}',
+        'WARNING ddtree-steps {"t":[10.0,10.004,10.01,10.011],"k":"vmv"}',
+        'WARNING ddtree-steps {"t":[10.011,10.015],"k":"p"}',
+        'WARNING ddtree-steps {"t":[20.0,20.008],"k":"v"}',  # another measurement's
     ]
-    reports = report.parse_steps_log("\n".join(["noise", *lines]))
-    periods = report.sum_step_periods(reports)
+    steps = report.parse_steps_log("\n".join(["noise", *lines]))
+    assert len(steps) == 5 and steps[1] == (10.004, 10.01, "mixed")
+    periods = report.step_periods(steps, 10.0, 10.02)
     assert periods == {
-        "verify": {"steps": 4, "ms": 5.0},
-        "mixed": {"steps": 1, "ms": 8.0},
-        "plain": {"steps": 1, "ms": 2.0},
+        "verify": {"steps": 2, "ms": 2.5},  # 4 and 1 ms
+        "mixed": {"steps": 1, "ms": 6.0},
+        "plain": {"steps": 1, "ms": 4.0},
     }
-    with pytest.raises(ValueError, match="steps / ms"):
-        report.parse_steps_log('ddtree-steps {"ms": {}}')
+    assert report.step_periods(steps, 10.005, 30.0) == {  # only steps wholly inside
+        "verify": {"steps": 2, "ms": 4.5},
+        "plain": {"steps": 1, "ms": 4.0},
+    }
+    for bad in ('ddtree-steps {"t": [1.0], "k": "v"}', 'ddtree-steps {"t": [1, 2], "k": "x"}'):
+        with pytest.raises(ValueError, match="one more time than kinds"):
+            report.parse_steps_log(bad)
     base = {"engine": "dflash", "concurrency": 16, "temperature": 0.0, "tokens_per_s": 1.0}
     runs = [
         {**base, "repeat": 0, "step_periods": {"verify": {"steps": 2, "ms": 4.0}}},

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ddtree.bench.report import parse_steps_log, sum_step_periods  # noqa: E402
+from ddtree.bench.report import parse_steps_log  # noqa: E402
 from ddtree.vllm_plugin import config, debug  # noqa: E402
 
 
@@ -19,30 +19,29 @@ def _step(drafts: dict[str, list[int]], scheduled: dict[str, int]):
     )
 
 
-def test_step_periods_by_kind_are_logged_every_n_steps(monkeypatch, caplog):
+def test_steps_are_logged_with_their_times_and_kinds(monkeypatch, caplog):
     verify = _step({"a": [1, 2], "b": [3]}, {"a": 3, "b": 2})
     mixed = _step({"a": [1, 2]}, {"a": 3, "c": 40})
     plain = _step({}, {"c": 1, "d": 9})
-    assert [debug.StepPeriods.kind(s) for s in (verify, mixed, plain)] == [
-        "verify",
-        "mixed",
-        "plain",
-    ]
-    clock = iter([0.0, 0.004, 0.010, 0.011, 0.015])  # periods: 4, 6, 1, 4 ms
-    monkeypatch.setattr(debug.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(config, "SETTINGS", config.Settings(step_log_every=4))
+    assert [debug.StepPeriods.kind(s) for s in (verify, mixed, plain)] == ["v", "m", "p"]
+    # step starts: 4 steps, then 5 s idle (the engine had no requests), then 3 more
+    clock = iter([0.0, 0.004, 0.010, 0.011, 5.011, 5.015, 5.020])
+    monkeypatch.setattr(debug.StepPeriods, "clock", staticmethod(lambda: next(clock)))
+    monkeypatch.setattr(config, "SETTINGS", config.Settings(step_log_every=2))
     runner = SimpleNamespace()
     with caplog.at_level(logging.WARNING, logger="vllm.ddtree"):
         debug.record_step(runner, verify, dummy_run=True)  # warm-up runs are not steps
         debug.record_step(runner, _step({}, {}))  # nor are empty ones
-        for step in (verify, mixed, verify, plain, verify):
+        for step in (verify, mixed, verify, plain, verify, verify, mixed):
             debug.record_step(runner, step)
-    periods = sum_step_periods(parse_steps_log(caplog.text))
-    assert periods == {
-        "verify": {"steps": 2, "ms": 2.5},  # 4 and 1 ms: a period is its own step's kind
-        "mixed": {"steps": 1, "ms": 6.0},
-        "plain": {"steps": 1, "ms": 4.0},
-    }
+    steps = parse_steps_log(caplog.text)
+    assert [(round(1000 * (b - a)), k) for a, b, k in steps] == [
+        (4, "verify"),  # a period is its own step's kind
+        (6, "mixed"),
+        (1, "verify"),  # then "plain" at 0.011: its end is unknown (idle after it): dropped
+        (4, "verify"),
+        (5, "verify"),
+    ]  # and "mixed" at 5.020 waits for more steps
     monkeypatch.setattr(config, "SETTINGS", config.Settings())
     other = SimpleNamespace()
     debug.record_step(other, verify)

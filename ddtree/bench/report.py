@@ -73,13 +73,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
         if profiles:
             row["profile"] = mean_profile(profiles)
         periods = [r["step_periods"] for r in group if r.get("step_periods")]
-        if periods:  # pooled: each kind's steps and time over the repeats
-            row["step_periods"] = sum_step_periods(
-                [
-                    {"ms": {k: [v["steps"], v["steps"] * v["ms"]] for k, v in p.items()}}
-                    for p in periods
-                ]
-            )
+        if periods:
+            row["step_periods"] = pool_step_periods(periods)
         curves = [r["acceptance"] for r in group if r.get("acceptance")]
         if curves:
             from ddtree.budget import mean_accepted
@@ -262,30 +257,50 @@ def memory_table(engines: dict[str, dict]) -> str | None:
     return "\n".join(head + lines)
 
 
-def parse_steps_log(text: str) -> list[dict]:
-    """The ``ddtree-steps {...}`` reports in a log (``DDTREE_STEP_LOG``):
-    ``[{"steps": n, "ms": {kind: [steps, total ms]}}]``."""
-    return _marked_reports(
+STEP_KINDS = {"v": "verify", "m": "mixed", "p": "plain"}  # vllm_plugin/debug.StepPeriods
+
+
+def parse_steps_log(text: str) -> list[tuple[float, float, str]]:
+    """The steps of the ``ddtree-steps {...}`` reports in a log (``DDTREE_STEP_LOG``): one
+    ``(start, end, kind)`` per step, wall-clock seconds, kind ``verify|mixed|plain``."""
+    reports = _marked_reports(
         text,
         STEPS_MARKER,
-        lambda r: isinstance(r.get("ms"), dict) and bool(r.get("steps")),
-        "steps / ms",
+        lambda r: (
+            isinstance(r.get("t"), list)
+            and isinstance(r.get("k"), str)
+            and len(r["t"]) == len(r["k"]) + 1
+            and set(r["k"]) <= set(STEP_KINDS)
+        ),
+        "t / k (one more time than kinds)",
     )
+    return [
+        (start, end, STEP_KINDS[kind])
+        for r in reports
+        for start, end, kind in zip(r["t"][:-1], r["t"][1:], r["k"], strict=True)
+    ]
 
 
-def sum_step_periods(reports: list[dict]) -> dict:
-    """``{kind: {"steps": n, "ms": mean ms per step}}`` over step-log reports."""
+def step_periods(steps: list[tuple[float, float, str]], start: float, end: float) -> dict:
+    """``{kind: {"steps": n, "ms": mean}}`` of the ``steps`` that ran inside [start, end]."""
     totals: dict[str, list[float]] = {}
-    for report in reports:
-        for kind, (steps, ms) in report["ms"].items():
+    for first, last, kind in steps:
+        if start <= first and last <= end:
             cell = totals.setdefault(kind, [0, 0.0])
-            cell[0] += steps
-            cell[1] += ms
-    return {
-        kind: {"steps": int(steps), "ms": round(ms / steps, 3)}
-        for kind, (steps, ms) in totals.items()
-        if steps
-    }
+            cell[0] += 1
+            cell[1] += 1000 * (last - first)
+    return {k: {"steps": int(n), "ms": round(ms / n, 3)} for k, (n, ms) in totals.items()}
+
+
+def pool_step_periods(periods: list[dict]) -> dict:
+    """``step_periods`` of several repeats pooled: steps summed, ms weighted by steps."""
+    totals: dict[str, list[float]] = {}
+    for period in periods:
+        for kind, cell in period.items():
+            total = totals.setdefault(kind, [0, 0.0])
+            total[0] += cell["steps"]
+            total[1] += cell["steps"] * cell["ms"]
+    return {k: {"steps": int(n), "ms": round(ms / n, 3)} for k, (n, ms) in totals.items() if n}
 
 
 def step_period_table(rows: list[dict]) -> str | None:

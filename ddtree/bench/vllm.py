@@ -39,8 +39,8 @@ from ddtree.bench.report import (
     parse_profile_log,
     parse_steps_log,
     plot,
+    step_periods,
     sum_acceptance,
-    sum_step_periods,
     summary_markdown,
 )
 from ddtree.budget import mean_accepted, schedule_label
@@ -471,9 +471,11 @@ def measure(
 
     on_finish = progress.update if progress is not None else None
     before = _spec_counters(llm)
+    wall_start = time.time()  # the window whose steps DDTREE_STEP_LOG's lines are read for
     start = time.perf_counter()
     outs = run_requests(add, step, [prompts[i] for i in schedule], concurrency, on_finish)
     seconds = time.perf_counter() - start
+    wall_end = time.time()
     after = _spec_counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {
@@ -485,6 +487,7 @@ def measure(
         "requests": len(schedule),
         "prompts": len(set(schedule)),
         "max_tokens": max_tokens,
+        "window": [wall_start, wall_end],
     }
     if structured:
         row["structured_output"] = structured_output
@@ -584,13 +587,6 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
                 reports += found
                 if found:
                     row["profile"] = mean_profile(found)
-            try:  # DDTREE_STEP_LOG's reports, likewise
-                periods = parse_steps_log(text)
-            except ValueError as err:
-                row["step_log_error"] = str(err)
-            else:
-                if periods:
-                    row["step_periods"] = sum_step_periods(periods)
             try:  # DDTREE_ACCEPTANCE's reports, likewise
                 curves = parse_acceptance_log(text)
             except ValueError as err:
@@ -601,8 +597,20 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
                     row["accepted_by_budget"] = mean_accepted([row["acceptance"]])
         rows.append({"engine": name, **row})
         print(json.dumps(rows[-1]), flush=True)
+    text = log.read_text(errors="replace") if log is not None else ""
+    steps = []
+    if args.step_log:  # the steps each measurement's window holds (lines come in late)
+        try:
+            steps = parse_steps_log(text)
+        except ValueError as err:
+            for row in rows:
+                row["step_log_error"] = str(err)
+    for row in rows:
+        window = row.pop("window")
+        if steps:
+            row["step_periods"] = step_periods(steps, *window)
     config = llm.llm_engine.vllm_config
-    memory = parse_memory_log(log.read_text(errors="replace")) if log is not None else None
+    memory = parse_memory_log(text) if log is not None else None
     result = {
         "engine": name,
         "engine_start_s": started,

@@ -135,42 +135,48 @@ class AcceptanceLog:
 
 
 class StepPeriods:
-    """``DDTREE_STEP_LOG=N``: the host period from one ``execute_model`` call to the next, by
-    the step's kind, logged every N steps as ``ddtree-steps {"steps": n, "ms": {kind: [steps,
-    total ms]}}``. Kinds: ``verify`` (every request verifies drafts), ``mixed`` (some do: a
-    prefill among decodes), ``plain`` (none: prefills, or an engine without drafts). A step's
-    period is charged to its own kind. Host clock only: no sync."""
+    """``DDTREE_STEP_LOG=N``: each step's start (wall clock, at the runner's
+    ``execute_model``) and kind, logged N steps at a time as ``ddtree-steps {"t": [N + 1
+    times], "k": "N kinds"}``: step i ran from ``t[i]`` to ``t[i + 1]``, so a reader can keep
+    the steps inside a time window. Kinds: ``v`` (every request verifies drafts), ``m`` (some
+    do: a prefill among decodes), ``p`` (none: prefills, or an engine without drafts). A gap
+    of more than ``IDLE_S`` ends a run of steps: the step before it is dropped (the engine was
+    idle, not stepping). Host clock only, no sync: under async scheduling the period is the
+    step time the engine runs at. The last < N steps before the engine stops are not logged."""
 
-    KINDS = ("verify", "mixed", "plain")
+    IDLE_S = 1.0
+    clock = staticmethod(time.time)
 
     def __init__(self, every: int):
         self.every = every
-        self.last: tuple[float, str] | None = None
-        self.sums: dict[str, list[float]] = {}
-        self.steps = 0
+        self.times: list[float] = []
+        self.kinds: list[str] = []
 
     @staticmethod
     def kind(scheduler_output) -> str:
         drafts = scheduler_output.scheduled_spec_decode_tokens
         have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
-        return "verify" if all(have) else ("mixed" if any(have) else "plain")
+        return "v" if all(have) else ("m" if any(have) else "p")
 
     def record(self, scheduler_output) -> None:
         if not scheduler_output.total_num_scheduled_tokens:
             return
-        now, kind = time.perf_counter(), self.kind(scheduler_output)
-        if self.last is not None:
-            start, last_kind = self.last
-            cell = self.sums.setdefault(last_kind, [0, 0.0])
-            cell[0] += 1
-            cell[1] += 1000 * (now - start)
-            self.steps += 1
-        self.last = (now, kind)
-        if self.steps >= self.every:
-            ms = {k: [int(v[0]), round(v[1], 3)] for k, v in self.sums.items()}
-            report = {"steps": self.steps, "ms": ms}
-            log.warning("%s%s", STEPS_MARKER, json.dumps(report, separators=(",", ":")))
-            self.sums, self.steps = {}, 0
+        now = self.clock()
+        if self.times and now - self.times[-1] > self.IDLE_S:
+            self._flush(self.times, self.kinds[:-1])  # the last step's end is unknown
+            self.times, self.kinds = [], []
+        self.times.append(now)
+        self.kinds.append(self.kind(scheduler_output))
+        if len(self.kinds) > self.every:
+            self._flush(self.times, self.kinds[:-1])
+            self.times, self.kinds = self.times[-1:], self.kinds[-1:]
+
+    @staticmethod
+    def _flush(times: list[float], kinds: list[str]) -> None:
+        if not kinds:
+            return
+        report = {"t": [round(t, 6) for t in times[: len(kinds) + 1]], "k": "".join(kinds)}
+        log.warning("%s%s", STEPS_MARKER, json.dumps(report, separators=(",", ":")))
 
 
 def record_step(runner, scheduler_output, dummy_run: bool = False) -> None:
