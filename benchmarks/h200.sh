@@ -27,7 +27,8 @@
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
-#   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0 (~4 min)
+#   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0, with
+#                                    # each engine's step period by kind (--step-log) (~4 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
 #   bash benchmarks/h200.sh detach check gdn sched  # run modes one after another in a new
 #                                    # process session (outlives the call), results in /tmp/res
@@ -147,10 +148,10 @@ pair)
   ;;
 b15)  # the chain vs DDTree at the chain's size (B=15) and B=63, c=1 and 16, T=0 (issue 19)
   timeout 500 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
-    --concurrency 1,16 --temperatures 0 --max-tokens 128 \
+    --concurrency 1,16 --temperatures 0 --max-tokens 128 --step-log 20 \
     --title "bundled pair, $GPU" --out /tmp/bench_b15 > "$OUT/bench_b15.txt" 2>&1
   tar czf "$OUT/bench_b15.tgz" -C /tmp/bench_b15 --exclude=models .
-  tail -12 "$OUT/bench_b15.txt"
+  tail -24 "$OUT/bench_b15.txt"
   ;;
 hybrid)  # the tests' tiny hybrid pair (Qwen3.5 layout, 32 words, distilled drafter): the chain
   # vs DDTree through vLLM (issue 21; B <= 30: vLLM's warm-up ids must fit the vocabulary)
@@ -158,7 +159,7 @@ hybrid)  # the tests' tiny hybrid pair (Qwen3.5 layout, 32 words, distilled draf
 from models import make_hybrid_pair; make_hybrid_pair(Path('/tmp/hybrid'))" > "$OUT/hybrid_pair.txt" 2>&1
   timeout 600 python3 -m ddtree.cli bench --target /tmp/hybrid/target --draft /tmp/hybrid/drafter \
     --random-prompts --methods dflash,ddtree --budgets 15,30 --concurrency 1,16 --temperatures "${HYBRID_TEMPS:-0,1}" \
-    --max-tokens 128 --max-model-len 512 --title "tests' hybrid pair, $GPU" --out /tmp/bench_hybrid \
+    --max-tokens 128 --max-model-len 512 --step-log 20 --title "tests' hybrid pair, $GPU" --out /tmp/bench_hybrid \
     > "$OUT/bench_hybrid.txt" 2>&1
   tar czf "$OUT/bench_hybrid.tgz" -C /tmp/bench_hybrid --exclude=models .
   tail -20 "$OUT/bench_hybrid.txt"
