@@ -27,6 +27,7 @@
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
+#   bash benchmarks/h200.sh hybridpair # the bundled hybrid pair: chain vs DDTree B=15, 63 (~5 min)
 #   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0, with
 #                                    # each engine's step period by kind (--step-log) (~4 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
@@ -164,6 +165,14 @@ from models import make_hybrid_pair; make_hybrid_pair(Path('/tmp/hybrid'))" > "$
   tar czf "$OUT/bench_hybrid.tgz" -C /tmp/bench_hybrid --exclude=models .
   tail -20 "$OUT/bench_hybrid.txt"
   ;;
+hybridpair)  # the bundled hybrid pair (models/hybrid: Qwen3.5 layout, trained): chain vs DDTree
+  timeout 600 python3 -m ddtree.cli bench --target models/hybrid/target --draft models/hybrid/drafter \
+    --methods dflash,ddtree --budgets 15,63 --concurrency 1,16 --temperatures "${HYBRID_TEMPS:-0,1}" \
+    --max-tokens 128 --step-log 20 --title "bundled hybrid pair, $GPU" --out /tmp/bench_hybridpair \
+    > "$OUT/bench_hybridpair.txt" 2>&1
+  tar czf "$OUT/bench_hybridpair.tgz" -C /tmp/bench_hybridpair --exclude=models .
+  tail -30 "$OUT/bench_hybridpair.txt"
+  ;;
 json)  # structured output (a JSON schema per request): the chain vs DDTree (issue 22)
   timeout 600 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
     --structured-output json --concurrency 1,16 --temperatures 0 --repeats 2 --max-tokens 128 \
@@ -210,7 +219,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|hybrid|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|hybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac
