@@ -4,8 +4,8 @@ in-process engine (so the profiler sees the engine's kernels), kernels grouped a
     python benchmarks/profile_step.py --budget 63 --concurrency 16 --out DIR [--dummy-shapes]
 
 Writes DIR/profile_<engine>_c<c>.txt (top kernels by CUDA time, per step) and prints a
-summary line per run: ms per step of a plain run (and its steps' mean period by kind: all
-decode, mixed with prefills, prefill only), of the profiled run, and of GPU time.
+summary line per run: ms per step of a plain run (and its steps' mean period by kind: every
+request verifying drafts, a prefill among them, none), of the profiled run, and of GPU time.
 With ``--host``, one more run under cProfile (the engine core runs in this process: scheduler,
 runner, drafter, sampler) writes DIR/host_<engine>_c<c>.txt: Python functions by own and by
 cumulative time per step, where a step's host time goes (the bundled pair's steps are
@@ -137,18 +137,19 @@ def main() -> None:
 
 def log_steps() -> list[tuple[float, str]]:
     """(time, kind) at each call of a runner's ``execute_model`` in this process; kind:
-    ``decode`` (every request has drafts), ``mixed`` (some prefill among them) or ``prefill``."""
+    ``verify`` (every request has drafts), ``mixed`` (a prefill among them) or ``plain``."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner  # the CPU's too
+
+    from ddtree.bench.report import STEP_KINDS
+    from ddtree.vllm_plugin.debug import StepPeriods
 
     log: list[tuple[float, str]] = []
 
     def logged(original):
         def execute_model(self, scheduler_output, *args, **kwargs):
             if not kwargs.get("dummy_run") and scheduler_output.total_num_scheduled_tokens:
-                drafts = scheduler_output.scheduled_spec_decode_tokens
-                have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
-                kind = "decode" if all(have) else ("mixed" if any(have) else "prefill")
+                kind = STEP_KINDS[StepPeriods.kind(scheduler_output)]
                 log.append((time.perf_counter(), kind))
             return original(self, scheduler_output, *args, **kwargs)
 
