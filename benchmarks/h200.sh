@@ -27,7 +27,9 @@
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
-#   bash benchmarks/h200.sh hybridpair # the bundled hybrid pair: chain vs DDTree B=15, 63 (~5 min)
+#   bash benchmarks/h200.sh trainhybrid # train a hybrid pair into HYBRID_PAIR (/tmp/hyb8; ~10 min?)
+#   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR, default models/hybrid): chain
+#                                    # vs DDTree B=15, 63 (~5 min)
 #   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0, with
 #                                    # each engine's step period by kind (--step-log) (~4 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
@@ -165,10 +167,24 @@ from models import make_hybrid_pair; make_hybrid_pair(Path('/tmp/hybrid'))" > "$
   tar czf "$OUT/bench_hybrid.tgz" -C /tmp/bench_hybrid --exclude=models .
   tail -20 "$OUT/bench_hybrid.txt"
   ;;
-hybridpair)  # the bundled hybrid pair (models/hybrid: Qwen3.5 layout, trained): chain vs DDTree
-  timeout 600 python3 -m ddtree.cli bench --target models/hybrid/target --draft models/hybrid/drafter \
+trainhybrid)  # a hybrid pair (Qwen3.5 layout, 8 layers: 6 GDN + 2 attention) trained here, into
+  # HYBRID_PAIR (default /tmp/hyb8), the bundled tokenizer; then `hybridpair` benches it
+  P=${HYBRID_PAIR:-/tmp/hyb8}; mkdir -p "$P/tokenizer" "$OUT/trainhybrid"
+  cp models/target/tokenizer.json models/target/tokenizer_config.json models/target/chat_template.jinja "$P/tokenizer/"
+  timeout 1500 python3 -m ddtree.cli train target --arch qwen3_5 --target-layers 8 --out "$P" \
+    ${TRAIN_FLAGS:-} > "$OUT/trainhybrid/target.txt" 2>&1
+  timeout 1500 python3 -m ddtree.cli train drafter --arch qwen3_5 --distill-tokens 3000000 \
+    --greedy-fraction 0.75 --drafter-steps 20000 --time-limit "${DRAFTER_SECONDS:-330}" --out "$P" \
+    ${TRAIN_FLAGS:-} > "$OUT/trainhybrid/drafter.txt" 2>&1
+  cp "$P/target/training_log.json" "$OUT/trainhybrid/target_training_log.json"
+  cp "$P/drafter/training_log.json" "$OUT/trainhybrid/drafter_training_log.json"
+  tail -c 300 "$OUT/trainhybrid/drafter.txt"; ls -la "$P/target" "$P/drafter"
+  ;;
+hybridpair)  # a trained hybrid pair (HYBRID_PAIR, default models/hybrid): chain vs DDTree
+  P=${HYBRID_PAIR:-models/hybrid}
+  timeout 600 python3 -m ddtree.cli bench --target "$P/target" --draft "$P/drafter" \
     --methods dflash,ddtree --budgets 15,63 --concurrency 1,16 --temperatures "${HYBRID_TEMPS:-0,1}" \
-    --max-tokens 128 --step-log 20 --title "bundled hybrid pair, $GPU" --out /tmp/bench_hybridpair \
+    --max-tokens 128 --step-log 20 --title "hybrid pair $P, $GPU" --out /tmp/bench_hybridpair \
     > "$OUT/bench_hybridpair.txt" 2>&1
   tar czf "$OUT/bench_hybridpair.tgz" -C /tmp/bench_hybridpair --exclude=models .
   tail -30 "$OUT/bench_hybridpair.txt"
@@ -219,7 +235,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|hybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac
