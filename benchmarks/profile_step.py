@@ -163,11 +163,12 @@ def log_steps() -> list[tuple[float, str]]:
 def step_split(log: list[tuple[float, str]]) -> str:
     """Mean ms from a step's ``execute_model`` call to the next one, by the step's kind (with
     async scheduling: the host's step time, the GPU's where it is the longer)."""
-    gaps: dict[str, list[float]] = {}
-    for (t, kind), (t_next, _) in zip(log[:-1], log[1:], strict=True):
-        gaps.setdefault(kind, []).append(1e3 * (t_next - t))
+    from ddtree.bench.report import step_periods
+
+    steps = [(t, t_next, kind) for (t, kind), (t_next, _) in zip(log[:-1], log[1:], strict=True)]
+    periods = step_periods(steps, float("-inf"), float("inf"))
     return "  step split: " + ", ".join(
-        f"{kind} {len(g)} steps {sum(g) / len(g):.2f} ms" for kind, g in sorted(gaps.items())
+        f"{kind} {p['steps']} steps {p['ms']:.2f} ms" for kind, p in sorted(periods.items())
     )
 
 

@@ -281,26 +281,32 @@ def parse_steps_log(text: str) -> list[tuple[float, float, str]]:
     ]
 
 
+def _mean_periods(cells: Iterable[tuple[str, int, float]]) -> dict:
+    """``(kind, steps, total ms)`` cells summed per kind: ``{kind: {"steps", "ms": mean}}``."""
+    totals: dict[str, list[float]] = {}
+    for kind, steps, ms in cells:
+        total = totals.setdefault(kind, [0, 0.0])
+        total[0] += steps
+        total[1] += ms
+    return {k: {"steps": int(n), "ms": round(ms / n, 3)} for k, (n, ms) in totals.items() if n}
+
+
 def step_periods(steps: list[tuple[float, float, str]], start: float, end: float) -> dict:
     """``{kind: {"steps": n, "ms": mean}}`` of the ``steps`` that ran inside [start, end]."""
-    totals: dict[str, list[float]] = {}
-    for first, last, kind in steps:
-        if start <= first and last <= end:
-            cell = totals.setdefault(kind, [0, 0.0])
-            cell[0] += 1
-            cell[1] += 1000 * (last - first)
-    return {k: {"steps": int(n), "ms": round(ms / n, 3)} for k, (n, ms) in totals.items()}
+    return _mean_periods(
+        (kind, 1, 1000 * (last - first))
+        for first, last, kind in steps
+        if start <= first and last <= end
+    )
 
 
 def pool_step_periods(periods: list[dict]) -> dict:
     """``step_periods`` of several repeats pooled: steps summed, ms weighted by steps."""
-    totals: dict[str, list[float]] = {}
-    for period in periods:
-        for kind, cell in period.items():
-            total = totals.setdefault(kind, [0, 0.0])
-            total[0] += cell["steps"]
-            total[1] += cell["steps"] * cell["ms"]
-    return {k: {"steps": int(n), "ms": round(ms / n, 3)} for k, (n, ms) in totals.items() if n}
+    return _mean_periods(
+        (kind, cell["steps"], cell["steps"] * cell["ms"])
+        for period in periods
+        for kind, cell in period.items()
+    )
 
 
 def step_period_table(rows: list[dict]) -> str | None:

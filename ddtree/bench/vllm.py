@@ -610,7 +610,7 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
         if steps:
             row["step_periods"] = step_periods(steps, *window)
     config = llm.llm_engine.vllm_config
-    memory = parse_memory_log(text) if log is not None else None
+    memory = parse_memory_log(text)  # None without a log
     result = {
         "engine": name,
         "engine_start_s": started,

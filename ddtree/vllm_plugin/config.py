@@ -41,10 +41,11 @@ class Settings:
     - ``DDTREE_ACCEPTANCE=N``: every N steps, what each budget K <= B would have accepted on
       the steps' walks (``ddtree.budget.AcceptanceCurve``: device sums, one host read per log
       line), logged as ``ddtree-acceptance {...}`` (``ddtree bench --ddtree-acceptance``);
-    - ``DDTREE_STEP_LOG=N``: every N steps of any engine (the chain's and no-spec's too), the
-      mean host period from one ``execute_model`` to the next by the step's kind (every request
-      verifying drafts, some, none), logged as ``ddtree-steps {...}`` (``ddtree bench
-      --step-log``): no sync, so under async scheduling it is the step time the engine runs at.
+    - ``DDTREE_STEP_LOG=N``: any engine (the chain's and no-spec's too) logs each step's start
+      (host clock at ``execute_model``) and kind (every request verifying drafts, some, none),
+      N steps per ``ddtree-steps {...}`` line (``debug.StepPeriods``; ``ddtree bench
+      --step-log`` reads them): no sync, so under async scheduling a step's period is the step
+      time the engine runs at.
     """
 
     tree_attention: str = "auto"
