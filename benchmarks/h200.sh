@@ -178,6 +178,10 @@ trainhybrid)  # a hybrid pair (Qwen3.5 layout, 8 layers: 6 GDN + 2 attention) tr
     ${TRAIN_FLAGS:-} > "$OUT/trainhybrid/drafter.txt" 2>&1
   cp "$P/target/training_log.json" "$OUT/trainhybrid/target_training_log.json"
   cp "$P/drafter/training_log.json" "$OUT/trainhybrid/drafter_training_log.json"
+  # The pair itself comes back too, in parts under the device tool's 16 MiB per file (`collect`
+  # copies /tmp/res/*.part-* to $OUT): cat hybrid_pair.tar.part-* | tar x -C models/hybrid
+  tar cf /tmp/hybrid_pair.tar -C "$P" target drafter && \
+    split -b 15M -d /tmp/hybrid_pair.tar /tmp/res/hybrid_pair.tar.part-
   tail -c 300 "$OUT/trainhybrid/drafter.txt"; ls -la "$P/target" "$P/drafter"
   ;;
 hybridpair)  # a trained hybrid pair (HYBRID_PAIR, default models/hybrid): chain vs DDTree
@@ -231,6 +235,7 @@ collect)
     tar czf "$OUT/$m.tgz" -C /tmp/res "$m" "$m.log"
     echo "== $m"; tail -25 "/tmp/res/$m.log"
   done
+  cp /tmp/res/*.part-* "$OUT/" 2>/dev/null  # trainhybrid's pair
   cp /tmp/res/times "$OUT/times.txt" 2>/dev/null; cat /tmp/res/times 2>/dev/null
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
