@@ -23,7 +23,8 @@
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
 #   bash benchmarks/h200.sh newtests # GPU tests of the V2 GDN glue and V2 penalties (~1 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
-#   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + a budget plan (~12 min: detach;
+#   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + "auto", with step periods by
+#                                    # kind (--step-log) (~12 min: detach;
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
@@ -205,7 +206,7 @@ sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per poin
     --ddtree-acceptance 50 --ddtree-auto 255 \
     --ddtree-schedules "${SCHED_SCHEDULES:-[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]}" \
     --concurrency 1,4,16,32 --temperatures "${SCHED_TEMPS:-0,1}" --repeats "${SCHED_REPEATS:-3}" \
-    --max-tokens 128 --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
+    --max-tokens 128 --step-log 20 --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1
   tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
   tail -30 "$OUT/bench_sched.txt"
