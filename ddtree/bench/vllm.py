@@ -245,6 +245,9 @@ def engine_kwargs(name: str, args) -> dict:
             "ddtree_budget": int(name[8:]),
             "ddtree_budget_per_batch_size": "auto",
         }
+        kw["distributed_executor_backend"] = "uni"  # the tuner shares the scheduler's process
+        if not cuda:  # vLLM's CPU build keeps "uni" only with the engine core in-process
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # this engine's own process
     elif name.startswith("ddtree-s"):
         schedule = args.ddtree_schedules[int(name[8:]) - 1]
         spec = {

@@ -184,8 +184,10 @@ def _share_lookup(scheduler, vllm_config, options) -> None:
     if backend != "uni" or options.budget_schedule is None:
         raise ValueError(
             'ddtree_budget_per_batch_size "auto" needs the engine\'s one worker in its engine-'
-            f"core process (vLLM's uni executor, tensor_parallel_size 1; got {backend!r}): "
-            "with several workers pass a schedule, e.g. from `ddtree bench --ddtree-acceptance`"
+            'core process: distributed_executor_backend="uni" and tensor_parallel_size 1 (got '
+            f'{backend!r}; vLLM picks "uni" on one CUDA GPU; its CPU build turns "uni" into '
+            '"mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0); with several workers pass a '
+            "schedule, e.g. from `ddtree bench --ddtree-acceptance`"
         )
     scheduler.dynamic_sd_lookup = options.dense_schedule(scheduler.scheduler_config.max_num_seqs)
     options.live_lookup = scheduler.dynamic_sd_lookup
