@@ -4,6 +4,7 @@ No vLLM engine starts here: the worker path runs against a fake ``vllm.LLM``."""
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -574,7 +575,9 @@ def test_bad_flag_values_name_the_flag(tmp_path, monkeypatch, flags, message):
         main(["bench", *flags, "--out", str(tmp_path)])
 
 
-def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
+def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path, monkeypatch):
+    # engine_kwargs sets an engine process's own variables: restored after this test
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     schedules = [[[1, 4, 255], [5, 512, 15]], [[1, 2, 63], [3, 512, 15]]]
     names = bench.engine_names(["dflash", "ddtree"], [15], schedules, auto=127)
     assert names == ["dflash", "ddtree-15", "ddtree-s1", "ddtree-s2", "ddtree-a127"]
@@ -588,6 +591,9 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path):
     assert auto["speculative_config"]["ddtree_budget"] == 127
     assert auto["speculative_config"]["ddtree_budget_per_batch_size"] == "auto"
     assert auto["max_num_batched_tokens"] >= 4 * 128
+    # the tuner shares the scheduler's process; the CPU build keeps "uni" only in-process
+    assert auto["distributed_executor_backend"] == "uni"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     spec = bench.engine_kwargs("ddtree-s2", args)["speculative_config"]
     assert spec["ddtree_budget"] == 63 and spec["ddtree_budget_per_batch_size"] == schedules[1]
     assert spec["ddtree_chain_seed"] is False
