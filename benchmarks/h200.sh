@@ -19,7 +19,8 @@
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
 #   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each)
-#   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree one run each (BENCH27B_METHODS)
+#   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree-15, ddtree-63, one
+#                                    # engine per run (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
 #   bash benchmarks/h200.sh newtests # GPU tests of the V2 GDN glue and V2 penalties (~1 min)
 #   bash benchmarks/h200.sh pair     # ddtree bench: bundled pair only, chain vs DDTree (~8 min)
@@ -128,13 +129,15 @@ treetime)  # fused tree kernels' timings only, for each tree-kernel warp count i
   done
   ;;
 bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree
-  # (issue 21). ~56 GB of weights per engine: one engine per bench run, one run after another.
-  for methods in ${BENCH27B_METHODS:-ar mtp dflash ddtree}; do
-    timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$methods" \
-      --budgets 15,63 --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
-      --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $methods, $GPU" \
-      --out "/tmp/bench_27b/$methods" > "$OUT/bench_27b_$methods.txt" 2>&1
-    tail -12 "$OUT/bench_27b_$methods.txt"
+  # (issue 21). ~56 GB of weights per engine, and a bench starts its engines together: one
+  # engine per bench run (ddtree-B: one budget), one run after another.
+  for run in ${BENCH27B_METHODS:-ar mtp dflash ddtree-15 ddtree-63}; do
+    method=${run%%-*}; budget=${run#ddtree-}; [ "$method" = ddtree ] || budget=15
+    timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$method" \
+      --budgets "$budget" --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
+      --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $run, $GPU" \
+      --out "/tmp/bench_27b/$run" > "$OUT/bench_27b_$run.txt" 2>&1
+    tail -12 "$OUT/bench_27b_$run.txt"
   done
   tar czf "$OUT/bench_27b.tgz" -C /tmp/bench_27b --exclude=models .
   ;;

@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 from hypothesis import given
@@ -649,6 +650,19 @@ def test_dummy_shape_checkpoints_load_and_pair(tmp_path, shapes):
         assert text.layer_types.count("linear_attention") == 48
         assert (text.linear_num_key_heads, text.linear_num_value_heads) == (16, 48)
         assert text.mtp_num_hidden_layers == 1
+    # vLLM's DFlash layers resolve a window for every sliding layer (a window that
+    # transformers dropped made the 27B drafter fail at start-up on the H100, 2026-12-06)
+    from vllm.model_executor.models import qwen3_dflash
+
+    draft = AutoConfig.from_pretrained(drafter)
+    v2 = type("VllmConfig", (), {"use_v2_model_runner": True})()
+    with mock.patch.object(qwen3_dflash, "get_current_vllm_config", lambda: v2):
+        windows = [
+            qwen3_dflash._resolve_layer_attention(draft, i)[0]
+            for i in range(draft.num_hidden_layers)
+        ]
+    sliding = [t == "sliding_attention" for t in (draft.layer_types or [])]
+    assert [w is not None for w in windows] == (sliding or [False] * len(windows))
 
 
 def test_a_failed_engine_is_named_beside_the_table(tmp_path, monkeypatch):

@@ -145,7 +145,13 @@ DFLASH_27B = dict(
     sliding_window=2048,
     block_size=16,
     num_target_layers=64,
-    dflash_config={"mask_token_id": 248077, "target_layer_ids": [1, 16, 31, 46, 61]},
+    # The window goes in dflash_config: transformers' Qwen3Config drops a top-level
+    # sliding_window unless use_sliding_window, and vLLM then refuses the sliding layers.
+    dflash_config={
+        "mask_token_id": 248077,
+        "target_layer_ids": [1, 16, 31, 46, 61],
+        "swa_window_size": 2048,
+    },
     bos_token_id=248044,
     eos_token_id=248044,
 )
