@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 
-def _attend(monkeypatch, chain_seed: bool, max_query_len: int, all_tree: bool = True):
+def _attend(monkeypatch, chain_seed: bool, max_query_len: int, all_tree: bool = True, chain=False):
     from ddtree.vllm_plugin.config import DDTreeOptions, Settings
     from ddtree.vllm_plugin.v2 import engine as engine_module
     from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
@@ -23,7 +23,7 @@ def _attend(monkeypatch, chain_seed: bool, max_query_len: int, all_tree: bool = 
     )
     tables = TreeTables(4, 63, 15, torch.device("cpu"))
     engine = TreeEngine(DDTreeOptions(63, chain_seed=chain_seed), 15, Settings(), tables)
-    engine.tree_step, engine.all_tree = True, all_tree
+    engine.tree_step, engine.all_tree, engine.chain_trees = True, all_tree, chain
     metadata = SimpleNamespace(
         max_query_len=max_query_len,
         query_start_loc=torch.tensor([0, max_query_len], dtype=torch.int32),
@@ -49,6 +49,10 @@ def test_forced_chain_rows_take_the_backends_pass(monkeypatch):
     # a mixed step (prefill rows) always takes the backend's pass
     assert _attend(monkeypatch, False, 300, all_tree=False) == [("backend",), ("tree", 0)]
     assert _attend(monkeypatch, True, 300, all_tree=False) == [("backend",), ("tree", 16)]
+    # every tree of the step its forced chain (K <= D drafts, begin_step's chain_trees): the
+    # backend's pass computes them all, also in a mixed step; no tree-kernel launch
+    assert _attend(monkeypatch, True, 300, all_tree=False, chain=True) == [("backend",)]
+    assert _attend(monkeypatch, True, 11, chain=True) == [("backend",)]
 
 
 def test_chain_sized_trees_skip_the_drafters_reorder():

@@ -158,6 +158,11 @@ class TreeEngine:
         and no tree kernel at all when the step's budget is the chain (K <= D)."""
         if attn_metadata is None or not (self.tree_step or self.capturing):
             return original()
+        if self.chain_trees and not self.capturing:
+            # Every tree of the step is its forced chain (K <= D drafts): the causal pass
+            # computes all of it. Decode graphs never launch the kernel then (first slot =
+            # query length); an eager step (a prefill among the requests) need not either.
+            return original()
         first = self.chain_slots(attn_metadata.max_query_len)
         if first > 0 or not (self.all_tree or self.capturing):
             original()  # the chain's rows; in a mixed step also the prefill rows
