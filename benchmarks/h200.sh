@@ -27,7 +27,8 @@
 #   bash benchmarks/h200.sh sched    # fixed budgets vs schedules + "auto", with step periods by
 #                                    # kind (--step-log) (~12 min: detach;
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
-#                                    # SCHED_SCHEDULES: fewer engines)
+#                                    # SCHED_SCHEDULES: fewer engines; SCHED_CAPTURE=2048: every
+#                                    # engine's CUDA graphs up to 2048 tokens, not vLLM's 512)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh trainhybrid # train a hybrid pair into HYBRID_PAIR (/tmp/hyb8; ~10 min?)
 #   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR, default models/hybrid): chain
@@ -209,7 +210,8 @@ sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per poin
     --ddtree-acceptance 50 --ddtree-auto 255 \
     --ddtree-schedules "${SCHED_SCHEDULES:-[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]}" \
     --concurrency 1,4,16,32 --temperatures "${SCHED_TEMPS:-0,1}" --repeats "${SCHED_REPEATS:-3}" \
-    --max-tokens 128 --step-log 20 --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
+    --max-tokens 128 --step-log 20 ${SCHED_CAPTURE:+--max-cudagraph-capture-size $SCHED_CAPTURE} \
+    --title "bundled pair, $GPU: budgets per batch size" --out /tmp/bench_sched \
     > "$OUT/bench_sched.txt" 2>&1
   tar czf "$OUT/bench_sched.tgz" -C /tmp/bench_sched --exclude=models .
   tail -30 "$OUT/bench_sched.txt"

@@ -555,6 +555,8 @@ def test_progress_files_give_one_bar_per_measurement(tmp_path, monkeypatch):
         (["--ddtree-schedules", "[[1, 4, 255]]"], "--ddtree-schedules"),
         (["--ddtree-schedules", "{}"], "must be a JSON list"),
         (["--ddtree-auto", "0"], "--ddtree-auto must be a budget"),
+        (["--max-cudagraph-capture-size", "0"], "--max-cudagraph-capture-size must be >= 1"),
+        (["--max-cudagraph-capture-size", "2048"], "--max-cudagraph-capture-size needs a CUDA"),
         (
             ["--ddtree-auto", "63", "--ddtree-options", '{"ddtree_budget_per_batch_size": "auto"}'],
             "use one",
@@ -579,6 +581,7 @@ def test_bad_flag_values_name_the_flag(tmp_path, monkeypatch, flags, message):
 def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path, monkeypatch):
     # engine_kwargs sets an engine process's own variables: restored after this test
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     schedules = [[[1, 4, 255], [5, 512, 15]], [[1, 2, 63], [3, 512, 15]]]
     names = bench.engine_names(["dflash", "ddtree"], [15], schedules, auto=127)
     assert names == ["dflash", "ddtree-15", "ddtree-s1", "ddtree-s2", "ddtree-a127"]
@@ -600,6 +603,15 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path, monkey
     assert spec["ddtree_chain_seed"] is False
     assert bench.engine_kwargs("ddtree-15", args)["speculative_config"]["ddtree_budget"] == 15
     assert bench.schedule_label(schedules[0]) == "1-4: 255, 5-512: 15"
+    # --max-cudagraph-capture-size: every engine's graphs (GPU), the chain's own mode kept
+    args.max_cudagraph_capture_size = 16384
+    with mock.patch("torch.cuda.is_available", lambda: True):
+        for name in ("dflash", "dflash-v1", "ddtree-15", "ddtree-a127"):
+            kw = bench.engine_kwargs(name, args)
+            assert kw["compilation_config"]["max_cudagraph_capture_size"] == 16384, name
+            assert kw["max_num_batched_tokens"] >= 16384
+        assert bench.engine_kwargs("dflash-v1", args)["compilation_config"]["cudagraph_mode"]
+
     assert "language_model_only" not in bench.engine_kwargs("ar", args)
     # A hybrid target (here the 27B shapes): text only; "mtp" is vLLM's MTP on its own layer.
     args.target, args.draft = bench.write_dummy_shapes(tmp_path / "models", "qwen3.6-27b")

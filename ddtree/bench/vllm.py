@@ -223,6 +223,10 @@ def engine_kwargs(name: str, args) -> dict:
         kw.update(
             kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05
         )
+        capture = getattr(args, "max_cudagraph_capture_size", None)
+        if capture is not None:
+            kw["compilation_config"] = {"max_cudagraph_capture_size": capture}
+            kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], capture)
     else:
         kw.update(enforce_eager=True, gpu_memory_utilization=0.1)
     if is_hybrid_target(args.target):
@@ -240,7 +244,7 @@ def engine_kwargs(name: str, args) -> dict:
         if v1:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # this engine's own process
         if cuda and cudagraph_mode is not None:
-            kw["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
+            kw.setdefault("compilation_config", {})["cudagraph_mode"] = cudagraph_mode
         if async_scheduling is not None:
             kw["async_scheduling"] = async_scheduling
     elif name.startswith("ddtree-a"):
@@ -906,6 +910,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="per engine (GPU)")
     parser.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="every engine's compilation_config.max_cudagraph_capture_size (GPU; vLLM's "
+        "default: min(2 x max_num_seqs x (1 + K), 512) tokens, so wide trees at high "
+        "concurrency run without full graphs)",
+    )
+    parser.add_argument(
         "--ddtree-options",
         type=json.loads,
         default={},
@@ -1000,9 +1013,18 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         ("--ddtree-profile", args.ddtree_profile),  # these three: None when not given
         ("--ddtree-acceptance", args.ddtree_acceptance),
         ("--step-log", args.step_log),
+        ("--max-cudagraph-capture-size", args.max_cudagraph_capture_size),
     ):
         if value is not None and value < 1:
             raise SystemExit(f"ddtree bench: {flag} must be >= 1, got {value}")
+    if args.max_cudagraph_capture_size is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                "ddtree bench: --max-cudagraph-capture-size needs a CUDA GPU (the CPU build "
+                "runs its engines eagerly, without graphs)"
+            )
     if args.ddtree_profile is not None and "ddtree" not in methods:
         raise SystemExit("ddtree bench: --ddtree-profile needs ddtree in --methods")
     if not isinstance(args.ddtree_options, dict):
