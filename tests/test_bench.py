@@ -590,6 +590,7 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path, monkey
         target=tmp_path, draft=tmp_path, dtype="float32", max_model_len=64, dummy=False,
         concurrency=[1, 4], budgets=[15], ddtree_schedules=schedules, kv_cache_gib=1.0,
         ddtree_options={"ddtree_chain_seed": False}, ddtree_auto=127,
+        max_cudagraph_capture_size=None,
     )  # fmt: skip
     auto = bench.engine_kwargs("ddtree-a127", args)
     assert auto["speculative_config"]["ddtree_budget"] == 127

@@ -223,7 +223,7 @@ def engine_kwargs(name: str, args) -> dict:
         kw.update(
             kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05
         )
-        capture = getattr(args, "max_cudagraph_capture_size", None)
+        capture = args.max_cudagraph_capture_size
         if capture is not None:
             kw["compilation_config"] = {"max_cudagraph_capture_size": capture}
             kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], capture)

@@ -156,12 +156,11 @@ class TreeEngine:
         The forced chain's rows take the backend's causal pass, as vLLM's chain verify does:
         bit for bit the chain's (and no-spec's) numerics while the walk stays on the chain,
         and no tree kernel at all when the step's budget is the chain (K <= D)."""
-        if attn_metadata is None or not (self.tree_step or self.capturing):
-            return original()
-        if self.chain_trees and not self.capturing:
-            # Every tree of the step is its forced chain (K <= D drafts): the causal pass
-            # computes all of it. Decode graphs never launch the kernel then (first slot =
-            # query length); an eager step (a prefill among the requests) need not either.
+        # Outside a capture, a step whose every tree is its forced chain (K <= D drafts) is
+        # all causal rows: decode graphs then never launch the kernel (first slot = query
+        # length), and an eager step (a prefill among the requests) need not either.
+        plain = not self.tree_step or self.chain_trees
+        if attn_metadata is None or (plain and not self.capturing):
             return original()
         first = self.chain_slots(attn_metadata.max_query_len)
         if first > 0 or not (self.all_tree or self.capturing):
