@@ -133,7 +133,11 @@ bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFla
   # (issue 21). ~56 GB of weights per engine, and a bench starts its engines together: one
   # engine per bench run (ddtree-B: one budget), one run after another.
   for run in ${BENCH27B_METHODS:-ar mtp dflash ddtree-15 ddtree-63}; do
-    method=${run%%-*}; budget=${run#ddtree-}; [ "$method" = ddtree ] || budget=15
+    case $run in
+    ddtree-*) method=ddtree; budget=${run#ddtree-} ;;
+    ddtree) echo "BENCH27B_METHODS: name DDTree's budget, e.g. ddtree-63" >&2; continue ;;
+    *) method=$run; budget=15 ;;  # --budgets is DDTree's only
+    esac
     timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$method" \
       --budgets "$budget" --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
       --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $run, $GPU" \
