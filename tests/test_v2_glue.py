@@ -46,7 +46,10 @@ def check_trees() -> None:
     built = {}
     for kernels in ("torch", "fused"):
         engine = _engine(ddtree.build_tree(logits, BUDGET), torch.tensor([0, 1, 2]), kernels)
-        built[kernels] = cls._build_trees(SimpleNamespace(engine=engine, _fused_buffers={}), logits)
+        speculator = SimpleNamespace(
+            engine=engine, _fused_buffers={}, tree_budget=lambda num_reqs: BUDGET
+        )
+        built[kernels] = cls._build_trees(speculator, logits)
     for name in ("tokens", "parents", "depths", "ancestors"):
         assert torch.equal(getattr(built["torch"], name), getattr(built["fused"], name)), name
 

@@ -399,7 +399,9 @@ def _patch_v2_runner() -> None:
             if rope is not None:
                 rope.ddtree_engine = engine
         if self.rejection_sampler is not None:
-            self.rejection_sampler = TreeSampler(engine, self.sampler, self.num_speculative_steps)
+            self.rejection_sampler = TreeSampler(
+                engine, self.sampler, self.num_speculative_steps, self.rejection_sampler
+            )
 
     @wrap(runner_cls, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):

@@ -43,6 +43,31 @@ class TreeTables:
         self.tree_rows = torch.full((batch_rows,), -1, dtype=torch.int32, device=device)
         self.path = torch.full((batch_rows, depth + 1), -1, dtype=torch.long, device=device)
 
+    def widen(self, trees: DraftTree) -> DraftTree:
+        """``trees`` of fewer slots than the tables (a bucket's narrower "auto" trees) with
+        padding slots after theirs: children of the root whose token (-1) no target token
+        matches, so the grammar, the verify and the walk take them as rejected nodes."""
+        rows, slots = trees.tokens.shape
+        extra = self.tokens.shape[1] - slots
+        if extra == 0:
+            return trees
+        new = torch.arange(slots, slots + extra, device=trees.tokens.device)  # [extra]
+        ancestors = torch.zeros(extra, self.ancestors.shape[2], dtype=torch.long, device=new.device)
+        ancestors[:, 0] = new  # itself, then the root
+
+        def pad(part: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            return torch.cat([part, value.to(part.dtype).expand(rows, *value.shape)], 1)
+
+        return DraftTree(
+            tokens=pad(trees.tokens, torch.full_like(new, -1)),
+            parents=pad(trees.parents, torch.zeros_like(new)),
+            depths=pad(trees.depths, torch.ones_like(new)),
+            mask=None,
+            scores=None,
+            ancestors=pad(trees.ancestors, ancestors),
+            num_nodes=None,
+        )
+
     def store(self, state_rows: torch.Tensor, trees: DraftTree) -> None:
         """Trees in batch order (``[R, Q]``) into the rows ``state_rows [R]`` of their
         requests (fixed shapes: it runs inside the drafter's graph)."""
@@ -103,6 +128,7 @@ class TreeEngine:
     walked: bool = False  # the sampler walked trees this step (the drafter reorders)
     chain_trees: bool = False  # every tree of the step is its forced chain: nothing to reorder
     uniform_trees: bool = True  # every request of the step has drafts: verify graphs may run
+    chain_verify: bool = False  # vLLM's rejection sampler is at hand for chain-sized steps
     acceptance: AcceptanceLog | None = None  # DDTREE_ACCEPTANCE (made by the TreeSampler)
     tuner: Any = None  # tuner.BudgetTuner of an "auto" budget schedule (made with the engine)
     gdn: Any = None  # v2.gdn.TreeGDN of a hybrid target's Gated DeltaNet layers
@@ -140,6 +166,12 @@ class TreeEngine:
         self.slot_mappings = runner.block_tables.slot_mappings
         if self.gdn is not None:
             self.gdn.bind(runner)
+
+    def chain_step(self) -> bool:
+        """This step is the chain's verify, left to vLLM's rejection sampler: every tree is
+        its forced chain (positions sequential, the accepted K/V in place) and no Gated
+        DeltaNet commit needs the walked path."""
+        return self.chain_verify and self.chain_trees and self.gdn is None
 
     def chain_slots(self, max_query_len: int) -> int:
         """Leading slots of every tree that a causal pass computes exactly: the root and the

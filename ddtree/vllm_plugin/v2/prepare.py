@@ -71,7 +71,7 @@ def prepare_step(engine: TreeEngine, input_batch) -> None:
     counts = input_batch.num_draft_tokens_per_req  # host: drafts scheduled per request
     engine.tree_step = counts is not None and bool((counts > 0).any())
     engine.all_tree = engine.tree_step and bool((counts > 0).all())
-    if not engine.tree_step:
+    if not engine.tree_step or engine.chain_step():  # vLLM's chain verify: nothing to mark
         return
     tables = engine.tables
     # Every row the sampler's graph reads (requests padded to a bucket) gets a value.

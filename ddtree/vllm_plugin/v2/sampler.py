@@ -7,6 +7,11 @@ position at which a plain decode would draw that token, so seeded requests draw 
 draws. ``ddtree.walk`` keeps the longest agreeing path; the output is vLLM's layout
 (``[accepted..., bonus]`` per request with device-side counts), and the accepted paths' K/V
 are moved into place.
+
+A step whose every tree is its forced chain (``TreeEngine.chain_trees``: K <= D drafts per
+request) is the chain's verify: it goes to vLLM's own rejection sampler (one-hot drafts,
+lossless, greedy identical to the walk), whose accepted tokens need no K/V move, without the
+tail's launches. Hybrid targets keep the walk: their Gated DeltaNet commit replays the path.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from ddtree.vllm_plugin.v2.penalties import apply_tree_penalties
 
 
 class TreeSampler:
-    def __init__(self, engine: TreeEngine, sampler, num_speculative_steps: int):
+    def __init__(self, engine: TreeEngine, sampler, num_speculative_steps: int, chain_sampler=None):
         self.engine = engine
         self.sampler = sampler  # vLLM's V2 Sampler: sampling states, processing, Gumbel-max
+        self.chain_sampler = chain_sampler  # vLLM's RejectionSampler: chain-sized steps
+        engine.chain_verify = chain_sampler is not None
         self.width = num_speculative_steps + 1  # B + 1 columns of sampled tokens
         # walk + output + KV commit: one graph per request bucket (fixed shapes, ~80 launches)
         self.tail = graphs.GraphCache(
@@ -55,6 +62,8 @@ class TreeSampler:
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
+        if self.engine.chain_step():
+            return self._chain_step(logits, input_batch)
         rows = input_batch.logits_indices
         return_logprobs = self.sampler.returns_logprobs(input_batch.idx_mapping_np)
         target, processed = self.sampler.sample(
@@ -94,6 +103,24 @@ class TreeSampler:
             num_sampled=num_sampled[:num_reqs].clone(),
             num_rejected=num_rejected[:num_reqs].clone(),
         )
+
+    def _chain_step(self, logits: torch.Tensor, input_batch):
+        """The chain's verify by vLLM's rejection sampler (the drafts are the forced chain,
+        one-hot: ``draft_logits`` None); the tuner and acceptance sums fed as a walk would."""
+        output = self.chain_sampler(logits, input_batch, None)
+        engine = self.engine
+        engine.walked = False  # the accepted rows are in place: nothing to reorder
+        if engine.tuner is not None or engine.acceptance is not None:
+            path, verified = chain_path(
+                output.num_sampled, input_batch.cu_num_logits, engine.tables.path.shape[1]
+            )
+            if engine.acceptance is not None:
+                engine.acceptance.update(path, verified)
+                engine.acceptance.step()
+            if engine.tuner is not None:
+                engine.tuner.walked(path, verified)
+                engine.tuner.step()
+        return output
 
     def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The tail's inputs for a bucket of ``rows`` requests (made once per bucket):
@@ -184,3 +211,16 @@ def _harmless(target, num_logits, chunk, start, active):
     """The warm-up before a capture runs the tail for real: with no request active it moves no
     K/V (a move run twice would not be harmless)."""
     return [target, num_logits, chunk, start, torch.zeros_like(active)]
+
+
+def chain_path(
+    num_sampled: torch.Tensor, cu_num_logits: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain verify's result as a walk's: ``num_sampled [R]`` (accepted + 1; 0 for a
+    non-final prefill chunk), ``cu_num_logits [R + 1]`` -> the path ``[R, width]`` (slots 0..
+    accepted, then -1) and the nodes each request verified ``[R]`` (0: a prefill row)."""
+    slot = torch.arange(width, device=num_sampled.device)
+    accepted = num_sampled.long() - 1  # [R]
+    path = torch.where(slot[None, :] <= accepted[:, None], slot[None, :], -1)
+    verified = (cu_num_logits[1:] - cu_num_logits[:-1]).long() - 1  # [R]
+    return path, verified.clamp(min=0)

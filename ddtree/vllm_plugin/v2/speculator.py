@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.tree import draft_topk, tree_from_ranked
-from ddtree.vllm_plugin import config
+from ddtree.vllm_plugin import config, graphs
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
 
@@ -38,10 +38,15 @@ def make_speculator_class(base):
             self.draft_logits = None  # the tree sampler needs no draft distribution
             tables = TreeTables(self.max_num_reqs, options.budget, depth, device)
             self.engine = TreeEngine(options, depth, config.SETTINGS, tables)
+            # The widest tree a step of n requests may verify, by n's bucket (fixed per
+            # drafter graph): "auto" schedules stay within full verify graphs.
+            self.tree_budgets: dict[int, int] = {}
+            self._graph_tokens = None
             if options.auto_budget:  # its sums are fed inside graphs: made before any capture
-                from ddtree.vllm_plugin.tuner import BudgetTuner
+                from ddtree.vllm_plugin.tuner import BudgetTuner, full_graph_tokens
 
                 self.engine.tuner = BudgetTuner(options, device, config.SETTINGS.tune_every)
+                self._graph_tokens = full_graph_tokens(vllm_config)
             # The last proposal's node tokens [R, B] in batch order, for vLLM's draft tokens.
             self.draft_nodes = torch.zeros(
                 self.max_num_reqs, options.budget, dtype=torch.long, device=device
@@ -87,33 +92,50 @@ def make_speculator_class(base):
             rows = self.sample_indices[: num_reqs * depth]
             logits = self.model.compute_logits(hidden[rows]).view(num_reqs, depth, -1)
             trees = self._build_trees(logits)
-            # Inside the graph: each tree under its request's row, its node tokens for vLLM.
-            self.engine.tables.store(self.idx_mapping[:num_reqs].long(), trees)
             if self.engine.tuner is not None:
                 real = self.idx_mapping[:num_reqs] != self.engine.tables.spare_row
                 self.engine.tuner.proposed(trees.scores, real)
+            # Inside the graph: each tree under its request's row, its node tokens for vLLM.
+            trees = self.engine.tables.widen(trees)
+            self.engine.tables.store(self.idx_mapping[:num_reqs].long(), trees)
             nodes = trees.tokens[:, 1:]
             self.draft_nodes[:num_reqs].copy_(torch.where(nodes >= 0, nodes, 0))
+
+        def tree_budget(self, num_reqs: int) -> int:
+            """The budget of the trees built for ``num_reqs`` requests (a drafter graph's
+            padded batch): ``ddtree_budget``, or for "auto" the widest its bucket may verify
+            (``tuner.widest_budget``). A smaller batch may schedule more drafts than a tree
+            built for a larger one holds: ``TreeTables.store`` pads such trees."""
+            budget = self.tree_budgets.get(num_reqs)
+            if budget is None:
+                options = self.engine.options
+                budget = options.budget
+                if options.auto_budget:
+                    from ddtree.vllm_plugin.tuner import widest_budget
+
+                    size = graphs.bucket(num_reqs)
+                    budget = widest_budget(budget, self.engine.depth, size, self._graph_tokens)
+                self.tree_budgets[num_reqs] = budget
+            return budget
 
         def _build_trees(self, logits: torch.Tensor):
             """Trees of ``logits [R, D, V]``: torch ops, or ``ddtree.kernels`` (six launches)
             with outputs preallocated per batch size (before the graph that replays them)."""
             options = self.engine.options
+            num_reqs, depth, vocab = logits.shape
+            budget = self.tree_budget(num_reqs)
             if self.engine.settings.fused_tree_kernels:
                 from ddtree.kernels import build_tree_fused, tree_buffers
 
-                num_reqs, depth, vocab = logits.shape
                 buffers = self._fused_buffers.get(num_reqs)
                 if buffers is None:
-                    buffers = tree_buffers(num_reqs, depth, vocab, options.budget, logits.device)
+                    buffers = tree_buffers(num_reqs, depth, vocab, budget, logits.device)
                     self._fused_buffers[num_reqs] = buffers
                 return build_tree_fused(
-                    logits, options.budget, chain_seed=options.chain_seed, buffers=buffers
+                    logits, budget, chain_seed=options.chain_seed, buffers=buffers
                 )
-            logprobs, token_ids = draft_topk(logits, min(options.budget, logits.shape[-1]))
-            return tree_from_ranked(
-                logprobs, token_ids, options.budget, chain_seed=options.chain_seed
-            )
+            logprobs, token_ids = draft_topk(logits, min(budget, vocab))
+            return tree_from_ranked(logprobs, token_ids, budget, chain_seed=options.chain_seed)
 
         @torch.inference_mode()
         def propose(

@@ -1,0 +1,198 @@
+"""A V2 step whose every tree is its forced chain (K <= D drafts) is the chain's verify: the
+tree sampler leaves it to vLLM's rejection sampler, skips the tail (walk, commit) and the
+tree rows, and still feeds the budget tuner what a walk would have."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.budget import accepted_within
+
+pytest.importorskip("triton")
+
+DEPTH, VOCAB = 6, 3
+
+
+def test_chain_path_is_the_walks_path():
+    """``chain_path`` (from vLLM's accepted counts) equals the walk of a chain-sized tree."""
+    from ddtree.vllm_plugin.v2.sampler import chain_path
+
+    gen = torch.Generator().manual_seed(1)
+    for budget in range(1, DEPTH + 1):
+        logits = torch.randn(32, DEPTH, VOCAB, generator=gen) * 2
+        tree = ddtree.build_tree(logits, budget, chain_seed=True)
+        chain = logits.argmax(-1)[:, :budget]
+        agree = torch.arange(budget) < torch.randint(0, budget + 1, (32, 1), generator=gen)
+        targets = torch.zeros(32, budget + 1, dtype=torch.long)
+        targets[:, :budget] = torch.where(agree, chain, (chain + 1) % VOCAB)
+        walked = ddtree.walk(tree, targets)
+        cu = torch.arange(33, dtype=torch.int32) * (budget + 1)
+        path, verified = chain_path(walked.num_accepted + 1, cu, DEPTH + 1)
+        assert torch.equal(path, walked.path), budget
+        assert verified.tolist() == [budget] * 32
+    # a prefill row (one logit) verified nothing; a non-final chunk sampled nothing
+    path, verified = chain_path(
+        torch.tensor([1, 0, 3]), torch.tensor([0, 1, 2, 6], dtype=torch.int32), 4
+    )
+    assert verified.tolist() == [0, 0, 3]
+    assert path.tolist() == [[0, -1, -1, -1], [-1] * 4, [0, 1, 2, -1]]
+
+
+def _sampler(monkeypatch, gdn=None):
+    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+    from ddtree.vllm_plugin.tuner import BudgetTuner
+    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+    from ddtree.vllm_plugin.v2.sampler import TreeSampler
+
+    tables = TreeTables(4, 31, DEPTH, torch.device("cpu"))
+    engine = TreeEngine(DDTreeOptions(31), DEPTH, Settings(cuda_graphs=False), tables)
+    engine.tuner = BudgetTuner(engine.options, torch.device("cpu"), every=1)
+    engine.gdn = gdn
+    calls = []
+
+    def chain_sampler(logits, input_batch, draft_logits):
+        calls.append(draft_logits)
+        return SimpleNamespace(num_sampled=torch.tensor([3, 1, 5], dtype=torch.int32))
+
+    tree_sampler = SimpleNamespace(sample=lambda *a, **k: calls.append("tree") or 1 / 0)
+    sampler = TreeSampler(engine, tree_sampler, 31, chain_sampler)
+    monkeypatch.setattr(sampler, "tail", lambda *a: 1 / 0)
+    return engine, sampler, calls
+
+
+def test_chain_steps_go_to_vllms_rejection_sampler(monkeypatch):
+    from ddtree.vllm_plugin.v2 import prepare
+
+    engine, sampler, calls = _sampler(monkeypatch)
+    assert engine.chain_verify
+    # requests with 5 and 4 drafts (K <= D) and a prefill: the chain's verify
+    cu = torch.tensor([0, 6, 7, 12], dtype=torch.int32)
+    batch = SimpleNamespace(cu_num_logits=cu, num_reqs=3, num_draft_tokens_per_req=None)
+    engine.chain_trees = True
+    engine.walked = True
+    sampler(torch.zeros(12, VOCAB), batch)
+    assert calls == [None]  # one-hot drafts: no draft distribution
+    assert not engine.walked  # the drafter reorders nothing
+    # the tuner's sums (copied by its step()): what the walks' paths add
+    path = torch.tensor([[0, 1, 2, -1, -1, -1, -1], [0] + [-1] * 6, [0, 1, 2, 3, 4, -1, -1]])
+    verified = torch.tensor([5, 0, 4])
+    budgets = torch.arange(1, 32)
+    valid = budgets[None, :] <= verified[:, None]
+    rows, accepted = engine.tuner.host.view(4, -1)[:2]
+    assert rows.tolist() == valid.sum(0).tolist()
+    assert accepted.tolist() == (accepted_within(path, budgets) * valid).sum(0).tolist()
+
+    # prepare_step marks no tree rows for such a step
+    marked = []
+    monkeypatch.setattr(
+        prepare.kernels, "mark_trees_and_depth_positions", lambda *a: marked.append(a)
+    )
+    batch.num_draft_tokens_per_req = torch.tensor([5, 0, 4]).numpy()
+    prepare.prepare_step(engine, batch)
+    assert engine.tree_step and not marked
+    engine.chain_trees = False  # a wider tree: marked, and the walk's tail runs
+    batch.input_ids = batch.positions = batch.logits_indices = torch.zeros(12, dtype=torch.long)
+    batch.idx_mapping = batch.query_start_loc = torch.zeros(4, dtype=torch.int32)
+    batch.num_reqs_after_padding = 3
+    prepare.prepare_step(engine, batch)
+    assert len(marked) == 1
+    sampler.sampler.returns_logprobs = lambda *a: False
+    batch.expanded_idx_mapping = batch.idx_mapping_np = batch.expanded_local_pos = None
+    with pytest.raises(ZeroDivisionError):
+        sampler(torch.zeros(12, VOCAB), batch)
+    assert calls == [None, "tree"]
+
+
+def test_hybrid_targets_keep_the_walk(monkeypatch):
+    """A Gated DeltaNet commit replays the walked path: hybrids never delegate."""
+    engine, sampler, calls = _sampler(monkeypatch, gdn=object())
+    engine.chain_trees = True
+    assert not engine.chain_step()
+    sampler.sampler.returns_logprobs = lambda *a: False
+    z = torch.zeros(4, dtype=torch.long)
+    batch = SimpleNamespace(
+        logits_indices=z, expanded_idx_mapping=None, idx_mapping_np=None, positions=z,
+        input_ids=z, expanded_local_pos=None, num_reqs=3,
+    )  # fmt: skip
+    with pytest.raises(ZeroDivisionError):
+        sampler(torch.zeros(4, VOCAB), batch)
+    assert calls == ["tree"]
+
+
+def test_auto_trees_stay_within_full_verify_graphs():
+    """An "auto" engine's widest tree per bucket: the largest candidate whose verify fits
+    vLLM's full-graph limit (never below the chain); the tuner times nothing wider."""
+    from ddtree.vllm_plugin.tuner import widest_budget
+
+    # vLLM's default limit, 512 tokens: 1-2 requests 255, 4: 127, 8: 63, 16: 31, 32+: 15
+    got = [widest_budget(255, 15, size, 512) for size in (1, 2, 4, 8, 16, 32, 64, 512)]
+    assert got == [255, 255, 127, 63, 31, 15, 15, 15]
+    assert widest_budget(255, 15, 32, None) == 255  # no full decode graphs: no limit
+    assert widest_budget(63, 15, 16, 2048) == 63
+    assert widest_budget(7, 15, 512, 512) == 7  # a budget below the depth is the chain
+
+
+def test_narrower_trees_are_padded_with_rejected_children_of_the_root():
+    """A tree built for a larger bucket (fewer slots) is stored with padding slots that no
+    target token matches: a walk over the padded tree accepts what the tree's own walk
+    does, the padding nodes are children of the root (the grammar needs a parent)."""
+    from ddtree.vllm_plugin.v2.engine import TreeTables
+
+    gen = torch.Generator().manual_seed(2)
+    tables = TreeTables(4, 31, DEPTH, torch.device("cpu"))
+    logits = torch.randn(3, DEPTH, 40, generator=gen) * 2
+    tree = ddtree.build_tree(logits, 7)
+    wide = tables.widen(tree)
+    assert wide.tokens.shape == (3, 32) and wide.ancestors.shape == (3, 32, DEPTH + 1)
+    assert (wide.tokens[:, 8:] == -1).all() and (wide.parents[:, 8:] == 0).all()
+    assert (wide.depths[:, 8:] == 1).all()
+    assert wide.ancestors[0, 9].tolist() == [9] + [0] * DEPTH
+    for name in ("tokens", "parents", "depths", "ancestors"):
+        assert torch.equal(getattr(wide, name)[:, :8], getattr(tree, name)), name
+    tables.store(torch.tensor([3, 0, 1]), wide)
+    assert tables.tokens[3, :8].tolist() == tree.tokens[0].tolist()
+    from helpers import agreeing_targets
+
+    targets = agreeing_targets(tree, 40, seed=5)
+    padded_targets = torch.cat([targets, torch.zeros(3, 24, dtype=torch.long)], 1)
+    walked = ddtree.walk(tree, targets)
+    walked_wide = ddtree.walk(wide, padded_targets)
+    assert torch.equal(walked.path, walked_wide.path)
+    assert torch.equal(walked.num_accepted, walked_wide.num_accepted)
+    assert tables.widen(wide) is wide
+
+
+def test_the_tuner_times_and_schedules_only_trees_within_full_graphs():
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.tuner import BudgetTuner, measure
+
+    options = DDTreeOptions(255, auto_budget=True)
+    tuner = BudgetTuner(options, torch.device("cpu"))
+    compilation = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_cudagraph_capture_size=512
+    )
+    runner = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_scheduled_tokens=8192, max_num_seqs=32),
+        vllm_config=SimpleNamespace(compilation_config=compilation),
+    )
+    timed = []
+
+    def seconds(reqs: int, budget: int) -> float:
+        timed.append((reqs, budget))
+        return 1e-3  # every step as fast: only the graph limit bounds the schedule
+
+    measure(tuner, runner, 15, seconds)
+    assert tuner.candidates == [15, 31, 63, 127, 255]
+    assert max(r * (1 + k) for r, k in timed) == 512
+    assert tuner.step_ms[-1] == [1.0] + [float("inf")] * 4  # 32 requests: the chain only
+    assert options.budget_schedule == (
+        (1, 2, 255),
+        (3, 4, 127),
+        (5, 8, 63),
+        (9, 16, 31),
+        (17, 32, 15),
+    )
