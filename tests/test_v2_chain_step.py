@@ -15,11 +15,10 @@ pytest.importorskip("triton")
 DEPTH, VOCAB = 6, 3
 
 
-def test_chain_path_is_the_walks_path():
-    """``chain_path`` (from vLLM's accepted counts) equals the walk of a chain-sized tree."""
-    from ddtree.vllm_plugin.v2.sampler import chain_path
-
-    gen = torch.Generator().manual_seed(1)
+def chain_cases(seed: int = 1):
+    """Chain-sized trees (K <= D) walked: yields (walked path, verified [R], num_sampled
+    [R], cu_num_logits [R + 1]) with a prefill row and a non-final chunk appended."""
+    gen = torch.Generator().manual_seed(seed)
     for budget in range(1, DEPTH + 1):
         logits = torch.randn(32, DEPTH, VOCAB, generator=gen) * 2
         tree = ddtree.build_tree(logits, budget, chain_seed=True)
@@ -28,16 +27,32 @@ def test_chain_path_is_the_walks_path():
         targets = torch.zeros(32, budget + 1, dtype=torch.long)
         targets[:, :budget] = torch.where(agree, chain, (chain + 1) % VOCAB)
         walked = ddtree.walk(tree, targets)
-        cu = torch.arange(33, dtype=torch.int32) * (budget + 1)
-        path, verified = chain_path(walked.num_accepted + 1, cu, DEPTH + 1)
-        assert torch.equal(path, walked.path), budget
-        assert verified.tolist() == [budget] * 32
-    # a prefill row (one logit) verified nothing; a non-final chunk sampled nothing
-    path, verified = chain_path(
-        torch.tensor([1, 0, 3]), torch.tensor([0, 1, 2, 6], dtype=torch.int32), 4
-    )
-    assert verified.tolist() == [0, 0, 3]
-    assert path.tolist() == [[0, -1, -1, -1], [-1] * 4, [0, 1, 2, -1]]
+        # + a prefill (one logit, one token sampled), a non-final chunk (one logit, none)
+        path = torch.cat([walked.path, torch.tensor([[0] + [-1] * DEPTH, [-1] * (DEPTH + 1)])])
+        verified = torch.tensor([budget] * 32 + [0, 0])
+        num_sampled = torch.cat([walked.num_accepted + 1, torch.tensor([1, 0])]).int()
+        counts = torch.tensor([budget + 1] * 32 + [1, 1])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).int()
+        yield path, verified, num_sampled, cu
+
+
+def check_chain_acceptance(interpret: bool) -> None:
+    """``kernels.chain_acceptance`` (from vLLM's accepted counts) adds what the walk of the
+    chain-sized tree adds to an ``AcceptanceCurve``."""
+    from ddtree.budget import AcceptanceCurve
+    from ddtree.vllm_plugin.v2.kernels import chain_acceptance
+
+    for path, verified, num_sampled, cu in chain_cases():
+        walked, chain = AcceptanceCurve(31, "cpu"), AcceptanceCurve(31, "cpu")
+        walked.update(path, verified)
+        chain_acceptance(num_sampled, cu, chain.rows, chain.accepted, interpret=interpret)
+        assert chain.rows.tolist() == walked.rows.tolist()
+        assert chain.accepted.tolist() == walked.accepted.tolist()
+        assert walked.accepted.sum() > 0
+
+
+def test_chain_acceptance_is_the_walks():
+    check_chain_acceptance(interpret=False)
 
 
 def _sampler(monkeypatch, gdn=None):

@@ -561,3 +561,6 @@ if __name__ == "__main__":
     check("torch")
     check("fused")  # ddtree.kernels' walk and KV compaction in the sampler
     check_trees()
+    from test_v2_chain_step import check_chain_acceptance
+
+    check_chain_acceptance(interpret=True)  # the Triton kernel of chain-sized steps

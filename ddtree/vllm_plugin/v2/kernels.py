@@ -137,3 +137,42 @@ def tail_inputs(
         node_target, num_logits, chunk, start, active, num_reqs, width,
         BLOCK=min(1024, triton.next_power_of_2(width)),
     )  # fmt: skip
+
+
+@triton.jit
+def _chain_acceptance_kernel(
+    num_sampled_ptr, cu_logits_ptr, rows_ptr, accepted_ptr, budget, BLOCK: tl.constexpr
+):
+    r = tl.program_id(0)
+    verified = tl.load(cu_logits_ptr + r + 1) - tl.load(cu_logits_ptr + r) - 1
+    num_accepted = tl.load(num_sampled_ptr + r).to(tl.int64) - 1
+    for first in range(1, tl.minimum(verified, budget) + 1, BLOCK):
+        k = first + tl.arange(0, BLOCK)  # budgets K
+        within = k <= tl.minimum(verified, budget)
+        tl.atomic_add(rows_ptr + k - 1, tl.full([BLOCK], 1, tl.int64), mask=within)
+        tl.atomic_add(accepted_ptr + k - 1, tl.minimum(num_accepted, k.to(tl.int64)), mask=within)
+
+
+def chain_acceptance(
+    num_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    rows: torch.Tensor,
+    accepted: torch.Tensor,
+    interpret: bool = False,
+) -> None:
+    """A chain verify's :class:`ddtree.budget.AcceptanceCurve` update, one launch: for each
+    request that verified ``v`` drafts (``cu_num_logits [R + 1]``) and accepted ``a``
+    (``num_sampled [R]`` = a + 1), ``rows[K-1] += 1`` and ``accepted[K-1] += min(a, K)`` for
+    K = 1..v (``rows``, ``accepted`` long ``[B]``). CPU tensors take the torch path (Triton's
+    interpreter with ``interpret``)."""
+    if not (num_sampled.is_cuda or interpret):
+        num_accepted = num_sampled.long()[:, None] - 1  # [R, 1]
+        verified = (cu_num_logits[1:] - cu_num_logits[:-1]).long()[:, None] - 1  # [R, 1]
+        budgets = torch.arange(1, rows.shape[0] + 1, device=rows.device)  # [B]
+        valid = budgets[None, :] <= verified  # [R, B]
+        accepted.add_((torch.minimum(num_accepted, budgets) * valid).sum(0))
+        rows.add_(valid.sum(0))
+        return
+    _chain_acceptance_kernel[(num_sampled.shape[0],)](
+        num_sampled, cu_num_logits, rows, accepted, rows.shape[0], BLOCK=64
+    )

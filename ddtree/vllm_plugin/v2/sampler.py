@@ -110,16 +110,13 @@ class TreeSampler:
         output = self.chain_sampler(logits, input_batch, None)
         engine = self.engine
         engine.walked = False  # the accepted rows are in place: nothing to reorder
-        if engine.tuner is not None or engine.acceptance is not None:
-            path, verified = chain_path(
-                output.num_sampled, input_batch.cu_num_logits, engine.tables.path.shape[1]
-            )
-            if engine.acceptance is not None:
-                engine.acceptance.update(path, verified)
-                engine.acceptance.step()
-            if engine.tuner is not None:
-                engine.tuner.walked(path, verified)
-                engine.tuner.step()
+        for stats in (engine.acceptance, engine.tuner):
+            if stats is not None:  # what the walk's path would add, in one launch
+                curve = stats.curve
+                kernels.chain_acceptance(
+                    output.num_sampled, input_batch.cu_num_logits, curve.rows, curve.accepted
+                )
+                stats.step()
         return output
 
     def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -211,16 +208,3 @@ def _harmless(target, num_logits, chunk, start, active):
     """The warm-up before a capture runs the tail for real: with no request active it moves no
     K/V (a move run twice would not be harmless)."""
     return [target, num_logits, chunk, start, torch.zeros_like(active)]
-
-
-def chain_path(
-    num_sampled: torch.Tensor, cu_num_logits: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chain verify's result as a walk's: ``num_sampled [R]`` (accepted + 1; 0 for a
-    non-final prefill chunk), ``cu_num_logits [R + 1]`` -> the path ``[R, width]`` (slots 0..
-    accepted, then -1) and the nodes each request verified ``[R]`` (0: a prefill row)."""
-    slot = torch.arange(width, device=num_sampled.device)
-    accepted = num_sampled.long() - 1  # [R]
-    path = torch.where(slot[None, :] <= accepted[:, None], slot[None, :], -1)
-    verified = (cu_num_logits[1:] - cu_num_logits[:-1]).long() - 1  # [R]
-    return path, verified.clamp(min=0)
