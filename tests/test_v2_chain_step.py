@@ -211,3 +211,38 @@ def test_the_tuner_times_and_schedules_only_trees_within_full_graphs():
         (9, 16, 31),
         (17, 32, 15),
     )
+
+
+def test_start_up_timing_survives_stalls():
+    """A stalled timing (the host busy with another engine's start-up) must not cut a bucket's
+    budgets: the fastest of several rounds per cell, and a larger budget's lower time bounds
+    a smaller one's (not a running maximum, which carries a stall to every larger budget)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.tuner import TIMING_ROUNDS, BudgetTuner, measure
+
+    options = DDTreeOptions(255, auto_budget=True)
+    tuner = BudgetTuner(options, torch.device("cpu"))
+    compilation = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_cudagraph_capture_size=512
+    )
+    runner = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_scheduled_tokens=8192, max_num_seqs=2),
+        vllm_config=SimpleNamespace(compilation_config=compilation),
+    )
+    calls = {}
+
+    def seconds(reqs: int, budget: int) -> float:
+        calls[reqs, budget] = calls.get((reqs, budget), 0) + 1
+        if (reqs, budget) == (1, 63):
+            return 5e-3  # stalled in every round
+        if (reqs, budget) == (2, 31) and calls[reqs, budget] == 1:
+            return 9e-3  # stalled once
+        return 1e-3 + 1e-6 * budget
+
+    measure(tuner, runner, 15, seconds)
+    assert set(calls.values()) == {TIMING_ROUNDS}
+    assert tuner.step_ms[0][2] == pytest.approx(1e3 * (1e-3 + 127e-6))  # 63 bounded by 127
+    assert tuner.step_ms[1][1] == pytest.approx(1e3 * (1e-3 + 31e-6))
+    assert options.budget_schedule == ((1, 2, 255),)
