@@ -246,3 +246,35 @@ def test_start_up_timing_survives_stalls():
     assert tuner.step_ms[0][2] == pytest.approx(1e3 * (1e-3 + 127e-6))  # 63 bounded by 127
     assert tuner.step_ms[1][1] == pytest.approx(1e3 * (1e-3 + 31e-6))
     assert options.budget_schedule == ((1, 2, 255),)
+
+
+def test_v2_start_up_timing_includes_every_rows_logits_and_sampling(monkeypatch):
+    """The V2 step timed at start-up is the dummy verify + drafter, then the logits of all
+    ``requests x (1 + K)`` rows and vLLM's Gumbel-max pass over them (what grows with K)."""
+    from vllm.v1.worker.gpu.sample import gumbel
+
+    from ddtree.vllm_plugin.tuner import v2_step_seconds
+
+    sampled = []
+    monkeypatch.setattr(
+        gumbel, "gumbel_sample", lambda logits, request, *a, **k: sampled.append(logits.shape)
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    dummy = []
+
+    def dummy_run(num_tokens, uniform_decode, skip_eplb):
+        dummy.append((num_tokens, runner.decode_query_len))
+        return torch.zeros(num_tokens + 8, 4), None  # padded rows past the batch
+
+    states = SimpleNamespace(temperature=SimpleNamespace(gpu=None), seeds=SimpleNamespace(gpu=None))
+    runner = SimpleNamespace(
+        decode_query_len=16,
+        device=torch.device("cpu"),
+        _dummy_run=dummy_run,
+        model=SimpleNamespace(compute_logits=lambda hidden: hidden @ torch.zeros(4, 50)),
+        sampler=SimpleNamespace(sampling_states=states),
+    )
+    seconds = v2_step_seconds(runner, repeats=2)(4, 31)
+    assert seconds >= 0 and runner.decode_query_len == 16
+    assert dummy == [(128, 32)] * 3  # one warm call, two timed
+    assert sampled == [(128, 50)] * 3
