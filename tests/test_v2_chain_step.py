@@ -278,3 +278,29 @@ def test_v2_start_up_timing_includes_every_rows_logits_and_sampling(monkeypatch)
     assert seconds >= 0 and runner.decode_query_len == 16
     assert dummy == [(128, 32)] * 3  # one warm call, two timed
     assert sampled == [(128, 50)] * 3
+
+
+def test_acceptance_log_waits_for_its_copy_without_a_sync(caplog):
+    """``DDTREE_ACCEPTANCE`` on CUDA: the sums go to the host by a non-blocking copy and are
+    logged at the first step after the copy's event completed (never a blocking read)."""
+    import json
+    import logging
+
+    from ddtree.bench.report import ACCEPTANCE_MARKER
+    from ddtree.vllm_plugin.debug import AcceptanceLog
+
+    done = []
+    log = AcceptanceLog(2, 4, "cpu")
+    log.copied = SimpleNamespace(record=lambda: None, query=lambda: bool(done))  # a CUDA event
+    path = torch.tensor([[0, 1, 3, -1]])
+    with caplog.at_level(logging.WARNING, logger="vllm.ddtree"):
+        for _ in range(5):
+            log.update(path, torch.tensor([4]))
+            log.step()
+        lines = [r.getMessage() for r in caplog.records if ACCEPTANCE_MARKER in r.getMessage()]
+        assert lines == []  # the copy has not landed: nothing read, nothing logged
+        done.append(True)
+        log.step()
+    lines = [r.getMessage() for r in caplog.records if ACCEPTANCE_MARKER in r.getMessage()]
+    report = json.loads(lines[0].split(ACCEPTANCE_MARKER, 1)[1])
+    assert report == {"steps": 2, "budget": 4, "rows": [2] * 4, "accepted": [2, 2, 4, 4]}

@@ -108,15 +108,20 @@ class StepProfile:
 
 class AcceptanceLog:
     """``DDTREE_ACCEPTANCE=N``: an :class:`ddtree.budget.AcceptanceCurve` fed by every walk
-    (:meth:`update`, no sync: recordable in a CUDA graph) and logged every N steps
-    (:meth:`step`, one host read) as ``ddtree-acceptance {"steps", "budget", "rows",
-    "accepted"}``, the sums since the last line."""
+    (:meth:`update`, no sync: recordable in a CUDA graph) and logged about every N steps as
+    ``ddtree-acceptance {"steps", "budget", "rows", "accepted"}``, the sums since the last line.
+    On CUDA the sums reach the host by a non-blocking copy, logged at the first step after it
+    landed: the log never stalls the step (the tuner reads its sums the same way)."""
 
     def __init__(self, every: int, budget: int, device):
         from ddtree.budget import AcceptanceCurve
 
         self.every, self.budget = every, budget
         self.curve = AcceptanceCurve(budget, device)
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(4 * budget, dtype=torch.float64, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.pending = 0  # steps the copy in flight covers (0: none)
         self.steps = 0
 
     def update(self, path: torch.Tensor, verified: torch.Tensor) -> None:
@@ -124,14 +129,22 @@ class AcceptanceLog:
 
     def step(self) -> None:
         self.steps += 1
-        if self.steps >= self.every:
-            from ddtree.vllm_plugin.graphs import sync_allowed
+        if self.pending and self.copied.query():
+            self._log()
+        if self.steps >= self.every and not self.pending:
+            self.host.copy_(self.curve.sums(), non_blocking=self.copied is not None)
+            self.curve.zero()  # after the copy, on the same stream
+            self.pending, self.steps = self.steps, 0
+            if self.copied is None:
+                self._log()
+            else:
+                self.copied.record()
 
-            with sync_allowed():  # the one host read, asked for by DDTREE_ACCEPTANCE
-                sums = self.curve.take()
-            report = {"steps": self.steps, "budget": self.budget, **sums}
-            log.warning("%s%s", ACCEPTANCE_MARKER, json.dumps(report, separators=(",", ":")))
-            self.steps = 0
+    def _log(self) -> None:
+        rows, accepted = self.host.view(4, -1)[:2].long().tolist()
+        report = {"steps": self.pending, "budget": self.budget, "rows": rows, "accepted": accepted}
+        log.warning("%s%s", ACCEPTANCE_MARKER, json.dumps(report, separators=(",", ":")))
+        self.pending = 0
 
 
 class StepPeriods:
