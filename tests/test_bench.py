@@ -783,3 +783,36 @@ def test_step_log_env_reaches_every_engine():
     assert env["DDTREE_STEP_LOG"] == "7" and "DDTREE_PROFILE" not in env
     assert bench.engine_env("ddtree-15", {}, None, None, 7)["DDTREE_STEP_LOG"] == "7"
     assert "DDTREE_STEP_LOG" not in bench.engine_env("ar", {}, None, None, None)
+
+
+def test_auto_engines_start_once_the_others_are_warm(tmp_path, monkeypatch):
+    """An "auto" engine times its steps at start-up, so it starts after the other engines
+    wrote ``.ready`` (or failed), not while they capture their graphs."""
+    launched, polls = [], []
+
+    class Engine:
+        def __init__(self, cmd, **kwargs):
+            self.name = cmd[cmd.index("--engine") + 1]
+            self.returncode = None
+            launched.append((self.name, sorted(p.name for p in tmp_path.glob("*.ready"))))
+
+        def poll(self):
+            polls.append(self.name)
+            if polls.count(self.name) == 2:  # warm at its second poll, done at its fourth
+                (tmp_path / f"{self.name}.ready").touch()
+            if polls.count(self.name) >= 4:
+                self.returncode = 0
+            return self.returncode
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Engine)
+    monkeypatch.setattr(bench, "bench_prompts", lambda args: ([[1, 2, 3]], "test prompts"))
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: None)
+    args = argparse.Namespace(
+        out=tmp_path, engines=["dflash", "ddtree-15", "ddtree-a63"], argv=[], concurrency=[1],
+        input_len=None, repeats=1, ddtree_schedules=[], ddtree_profile=None,
+        ddtree_acceptance=None, step_log=None, title="t", target=tmp_path,
+    )  # fmt: skip
+    bench.drive(args)
+    assert [name for name, _ in launched] == ["dflash", "ddtree-15", "ddtree-a63"]
+    assert launched[2][1] == ["ddtree-15.ready", "dflash.ready"]
+    assert launched[0][1] == launched[1][1] == []
