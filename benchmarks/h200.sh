@@ -33,6 +33,8 @@
 #   bash benchmarks/h200.sh trainhybrid # train a hybrid pair into HYBRID_PAIR (/tmp/hyb8; ~10 min?)
 #   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR, default models/hybrid): chain
 #                                    # vs DDTree B=15, 63 (~5 min)
+#   bash benchmarks/h200.sh bench8b  # Qwen3-8B shapes: chain vs DDTree B=15, 63, "auto", c=1 and 8,
+#                                    # step periods by kind (~8 min?: 3 engines of 16 GB)
 #   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0, with
 #                                    # each engine's step period by kind (--step-log) (~4 min)
 #   EQ_CASES=a,b bash benchmarks/h200.sh eq  # those equality cases only (~2-4 min)
@@ -165,6 +167,15 @@ b15)  # the chain vs DDTree at the chain's size (B=15) and B=63, c=1 and 16, T=0
   tar czf "$OUT/bench_b15.tgz" -C /tmp/bench_b15 --exclude=models .
   tail -24 "$OUT/bench_b15.txt"
   ;;
+bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "auto", c=1 and 8,
+  # with step periods by kind: issue 19's step targets (B=63 at c=1 <= 1.10x the chain's step)
+  timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods dflash,ddtree \
+    --budgets "${BENCH8B_BUDGETS:-15,63}" --ddtree-auto 255 --concurrency 1,8 --temperatures 0 \
+    --max-tokens 64 --kv-cache-gib 2 --repeats "${BENCH8B_REPEATS:-2}" --step-log 20 \
+    --title "Qwen3-8B shapes (dummy weights), $GPU" --out /tmp/bench_8b > "$OUT/bench_8b.txt" 2>&1
+  tar czf "$OUT/bench_8b.tgz" -C /tmp/bench_8b --exclude=models .
+  tail -30 "$OUT/bench_8b.txt"
+  ;;
 hybrid)  # the tests' tiny hybrid pair (Qwen3.5 layout, 32 words, distilled drafter): the chain
   # vs DDTree through vLLM (issue 21; B <= 30: vLLM's warm-up ids must fit the vocabulary)
   timeout 300 python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; \
@@ -250,7 +261,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|bench8b|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac
