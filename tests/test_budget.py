@@ -191,3 +191,54 @@ def test_tuner_keeps_a_larger_budget_that_nothing_measured_yet():
         tuner.walked(path, torch.full((32,), 15))
         tuner.step()
     assert options.budget_schedule == ((1, 1, 31), (2, 2, 7), (3, 4, 15), (5, 8, 7))
+
+
+def test_tuner_learns_served_step_costs_and_tries_a_neighbour_once():
+    """Start-up's table can miss what a wider tree costs in service (flat here: 2 ms for 15 and
+    31 drafts). Served periods of steps where every request verified K drafts become K's cost
+    (stalls and steps with a prefill not counted); an unserved neighbour whose scaled
+    estimate is within EXPLORE_MARGIN is tried once, then served costs decide."""
+    from types import SimpleNamespace
+
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.tuner import BudgetTuner, apply
+
+    options = DDTreeOptions(budget=31, auto_budget=True, budget_schedule=((1, 16, 31),))
+    tuner = BudgetTuner(options, torch.device("cpu"), every=1)
+    tuner.set_costs([1, 2, 4, 8, 16], [15, 31], [[2.0, 2.0]] * 5, 16)
+    expected = [None] * 31
+    expected[14], expected[30] = 2.5, 3.0
+    clock = [100.0]
+
+    def serve(drafts: int, ms: float, steps: int, requests: int = 16, prefill: bool = False):
+        for _ in range(steps):
+            out = SimpleNamespace(
+                scheduled_spec_decode_tokens={r: [0] * drafts for r in range(requests)},
+                num_scheduled_tokens={r: drafts + 1 for r in range(requests)},
+            )
+            if prefill:  # one request without drafts: says nothing about K
+                out.scheduled_spec_decode_tokens.pop(0)
+            tuner.observe(out, now=clock[0])
+            clock[0] += ms / 1e3
+
+    assert tuner.choose(expected) == [[1, 16, 31]]  # flat table: the wider tree
+    serve(31, 5.0, 10)
+    serve(31, 50.0, 3, prefill=True)  # prefill steps
+    serve(31, 5.0, 1)
+    clock[0] += 2.0  # an idle gap: a stall
+    serve(31, 5.0, 1)
+    tuner._fold()
+    assert tuner.live[4][1] == [pytest.approx(5.0), 10]  # the 10 steps: no prefill, no stall
+    assert tuner.cost_ms[4] == [pytest.approx(5.0), pytest.approx(5.0)]  # 15: 2 x (5 / 2)
+    # served 31 (4 / 5 tokens per ms) vs 15's estimate (3.5 / 5): within 15%, so 15 is tried
+    schedule = tuner.choose(expected)
+    assert schedule == [[1, 8, 31], [9, 16, 15]]
+    apply(options, schedule)
+    # no served 15 yet (the window was skipped here): back to 31, and 15 is not tried again
+    assert tuner.choose(expected) == [[1, 16, 31]]
+    serve(15, 4.0, 10)
+    serve(15, 4.0, 1, requests=1)  # another bucket: ends the last 16-request step
+    tuner._fold()
+    assert tuner.live[4][0] == [pytest.approx(4.0), 10]
+    # served: 15 at 3.5 / 4 = 0.875 tokens per ms beats 31 at 0.8
+    assert tuner.choose(expected) == [[1, 8, 31], [9, 16, 15]]

@@ -49,6 +49,10 @@ MIN_ROWS = 16  # request steps (decayed totals) that verified K before its mean 
 HYSTERESIS = 0.03  # a bucket changes budget only for >= 3% more expected tokens per second
 TIMING_ROUNDS = 3  # start-up timing: rounds over every (bucket, budget), the fastest kept
 INITIAL_COST_RATIO = 1.25  # before any traffic: the largest K whose forward costs <= this x chain
+MIN_LIVE_STEPS = 8  # served steps of a (bucket, K) before their mean is its cost
+STALL_RATIO = 4.0  # a served step this many times its expected cost is a stall: not counted
+EXPLORE_MARGIN = 0.15  # an unserved neighbour of the chosen K is tried once if its estimated
+# speed is within this fraction of the chosen one's (estimates only scale start-up's table)
 
 
 class BudgetTuner:
@@ -70,6 +74,13 @@ class BudgetTuner:
         self.pending = False
         self.steps = 0
         self.updates = 0
+        # Served step periods per (bucket, K) cell, host clock: this window's sums, and the
+        # running mean (each window's mean weighted 1 - DECAY) with the steps it covers.
+        self.window: list[list[list[float]]] = []  # [sizes][candidates] -> [ms, steps]
+        self.live: list[list[list[float]]] = []  # [sizes][candidates] -> [mean ms, steps]
+        self.explored: set[tuple[int, int]] = set()  # cells tried by exploration
+        self.cost_ms: list[list[float]] = []  # costs(), refreshed at every fold
+        self._last: tuple[float, tuple[int, int] | None] | None = None
 
     def set_costs(
         self, sizes: list[int], candidates: list[int], step_ms: list[list[float]], max_batch: int
@@ -77,6 +88,52 @@ class BudgetTuner:
         self.sizes, self.candidates, self.step_ms, self.max_batch = (
             sizes, candidates, step_ms, max_batch
         )  # fmt: skip
+        self.window = [[[0.0, 0.0] for _ in candidates] for _ in sizes]
+        self.live = [[[0.0, 0.0] for _ in candidates] for _ in sizes]
+        self.cost_ms = self.costs()
+
+    def observe(self, scheduler_output, now: float | None = None) -> None:
+        """At the start of every engine step (host, both runners): the period since the last
+        start is what the last step cost, counted for its (bucket, K) cell if every request of
+        it verified drafts (a prefill among them, or a step without drafts, says nothing
+        about K). What start-up's dummy steps leave out (host work per draft, structured
+        output, penalties, the sampler's options) is in these periods."""
+        now = time.perf_counter() if now is None else now
+        if self._last is not None and self._last[1] is not None:
+            i, j = self._last[1]
+            period = 1e3 * (now - self._last[0])
+            if period <= STALL_RATIO * self.cost_ms[i][j]:
+                cell = self.window[i][j]
+                cell[0] += period
+                cell[1] += 1
+        self._last = (now, self._cell(scheduler_output) if self.step_ms else None)
+
+    def _cell(self, scheduler_output) -> tuple[int, int] | None:
+        """The (bucket index, candidate index) of a step where every request verifies K
+        drafts, K a candidate; else None."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        requests = scheduler_output.num_scheduled_tokens
+        if not requests or not all(drafts.get(r) for r in requests):
+            return None
+        budget = max(len(d) for d in drafts.values())
+        if budget not in self.candidates:
+            return None
+        size = graphs.bucket(min(len(requests), self.max_batch))
+        return min(self.sizes.index(size), len(self.sizes) - 1), self.candidates.index(budget)
+
+    def costs(self) -> list[list[float]]:
+        """Step ms per (bucket, K): the served mean where a cell has ``MIN_LIVE_STEPS``, else
+        start-up's time scaled by what served steps cost over start-up's in that bucket (the
+        mean ratio over its served cells; 1 before any)."""
+        table = []
+        for row, live in zip(self.step_ms, self.live, strict=True):
+            served = [mean if n >= MIN_LIVE_STEPS else None for mean, n in live]
+            ratios = [m / t for m, t in zip(served, row, strict=True) if m is not None and t > 0]
+            scale = sum(ratios) / len(ratios) if ratios else 1.0
+            table.append(
+                [m if m is not None else t * scale for m, t in zip(served, row, strict=True)]
+            )
+        return table
 
     def walked(self, path: torch.Tensor, verified: torch.Tensor) -> None:
         """After a walk (graph-recordable): ``path`` long ``[R, D + 1]``, ``verified`` long
@@ -104,6 +161,15 @@ class BudgetTuner:
 
     def _fold(self) -> None:
         self.totals.mul_(DECAY).add_(self.host)
+        for live_row, window_row in zip(self.live, self.window, strict=True):
+            for live, window in zip(live_row, window_row, strict=True):
+                if window[1] > 0:
+                    mean = window[0] / window[1]
+                    live[0] = mean if live[1] == 0 else DECAY * live[0] + (1 - DECAY) * mean
+                    live[1] += window[1]
+                window[0] = window[1] = 0.0
+        if self.step_ms:
+            self.cost_ms = self.costs()
         rows, accepted, proposals, predicted = self.totals.view(4, -1).tolist()
         expected = expected_accepted(rows, accepted, proposals, predicted, MIN_ROWS)
         schedule = self.choose(expected) if self.step_ms else None
@@ -112,17 +178,25 @@ class BudgetTuner:
         self.updates += 1
         if apply(self.options, schedule):
             known = [(k, expected[k - 1]) for k in self.candidates if expected[k - 1] is not None]
+            served = [
+                f"{size}x{k}={mean:.2f}"
+                for size, row in zip(self.sizes, self.live, strict=True)
+                for k, (mean, n) in zip(self.candidates, row, strict=True)
+                if n >= MIN_LIVE_STEPS
+            ]
             logger.info(
                 "ddtree budgets by throughput (update %d): batch sizes %s; expected accepted "
-                "by budget: %s",
+                "by budget: %s; served step ms (requests x budget): %s",
                 self.updates,
                 schedule_label(schedule),
                 ", ".join(f"{k}: {a:.2f}" for k, a in known),
+                ", ".join(served) or "none yet",
             )
 
     def choose(self, expected: list[float | None]) -> list[list[int]] | None:
         """The schedule for ``expected`` accepted lengths (entry K-1; None: unknown): per
-        bucket the budget with the most ``(1 + accepted) / step ms`` among the known ones,
+        bucket the budget with the most ``(1 + accepted) / step ms`` (:meth:`costs`) among the
+        known ones,
         unless the bucket's budget now is within ``HYSTERESIS`` of it (noise must not flip
         the schedule every update) or above every known one (nothing measured says it is
         worse, and only its own steps can)."""
@@ -131,7 +205,7 @@ class BudgetTuner:
             return None
         now = self.options.dense_schedule(self.max_batch)
         chosen = []
-        for size, row in zip(self.sizes, self.step_ms, strict=True):
+        for i, (size, row) in enumerate(zip(self.sizes, self.cost_ms, strict=True)):
             cost = dict(zip(self.candidates, row, strict=True))
             speed = tokens_per_ms([expected[k - 1] for k in known], [cost[k] for k in known])
             best = known[fastest(speed, known)]
@@ -140,8 +214,27 @@ class BudgetTuner:
                 current in known
                 and speed[known.index(current)] * (1 + HYSTERESIS) >= speed[known.index(best)]
             )
-            chosen.append(current if keep else best)
+            choice = current if keep else best
+            chosen.append(self._explore(i, choice, known, speed))
         return bucket_schedule(self.sizes, chosen, self.max_batch)
+
+    def _explore(self, i: int, choice: int, known: list[int], speed: list[float]) -> int:
+        """``choice`` for bucket ``i``, or once per cell an unserved neighbouring budget whose
+        estimated speed is within ``EXPLORE_MARGIN`` of it: an estimate only scales start-up's
+        table, which misses costs that grow with K (a wider tree once served 0.40 ms slower
+        per step than its table said), so only served steps can say which is faster."""
+        if choice not in known or self.live[i][self.candidates.index(choice)][1] < MIN_LIVE_STEPS:
+            return choice
+        at = known.index(choice)
+        for neighbour in (at - 1, at + 1):
+            if not 0 <= neighbour < len(known):
+                continue
+            j = self.candidates.index(known[neighbour])
+            unserved = self.live[i][j][1] < MIN_LIVE_STEPS and (i, j) not in self.explored
+            if unserved and speed[neighbour] >= (1 - EXPLORE_MARGIN) * speed[at]:
+                self.explored.add((i, j))
+                return known[neighbour]
+        return choice
 
 
 def apply(options: DDTreeOptions, schedule: list[list[int]]) -> bool:
