@@ -267,6 +267,39 @@ def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, mes
         check_settings(config)
 
 
+def test_v2_runner_refuses_the_v1_only_budget_caps():
+    """``ddtree_max_verify_tokens`` / ``ddtree_max_verify_cost`` shape only the V1 runner's
+    trees: on V2, given in the config, they are refused by name, not silently ignored (the
+    default cap, which V2 does not apply, passes)."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm_plugin.config import parse_options
+    from ddtree.vllm_plugin.v2.prepare import check_settings
+
+    def config(**keys):
+        _, options = parse_options({"method": "ddtree", "model": "d", "ddtree_budget": 63, **keys})
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(
+                pipeline_parallel_size=1, data_parallel_size=1,
+                decode_context_parallel_size=1, prefill_context_parallel_size=1,
+            ),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            model_config=SimpleNamespace(
+                uses_xdrope_dim=0, max_model_len=1024, get_vocab_size=lambda: 151936
+            ),
+            compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+            speculative_config=SimpleNamespace(ddtree=options),
+        )  # fmt: skip
+
+    check_settings(config())
+    check_settings(config(ddtree_max_verify_tokens=None))  # no cap: what V2 does
+    for keys in ({"ddtree_max_verify_tokens": 256}, {"ddtree_max_verify_cost": 1.2}):
+        with pytest.raises(ValueError, match="ddtree_max_verify_tokens and ddtree_max_verify"):
+            check_settings(config(**keys))
+
+
 def test_request_options_served_or_refused():
     """Both runners serve every option of the sampling distribution, logprobs and structured
     output (also behind a reasoning parser): the V1 runner per tree node (CPU tests), the V2

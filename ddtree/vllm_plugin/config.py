@@ -112,6 +112,7 @@ class DDTreeOptions:
     chain_seed: bool = True
     max_verify_tokens: int | None = None  # cap on the step's tree tokens, all requests together
     max_verify_cost: float | None = None  # verify forward time / the chain's, at most
+    max_verify_tokens_given: bool = False  # the cap came from the config, not the default
     bucket_budgets: dict[int, int] | None = None  # {request bucket: B_step}, from the cost model
     # ((first, last, B_step), ...): batch-size ranges (sorted) and the budget each verifies
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
@@ -208,6 +209,7 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
         spec["num_speculative_tokens_per_batch_size"] = (
             [[1, 1, budget]] if auto else [list(r) for r in schedule]
         )
+    given_cap = max_verify_tokens not in ("default", None)
     if max_verify_tokens == "default":
         # The cost model measures what the fixed cap guesses: with it, no cap by default.
         cap = max(DEFAULT_MAX_VERIFY_TOKENS, 1 + budget)
@@ -223,7 +225,13 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
     spec["num_speculative_tokens"] = budget  # vLLM schedules and counts the B tree nodes
     cost = None if max_verify_cost is None else float(max_verify_cost)
     return spec, DDTreeOptions(
-        budget, chain_seed, max_verify_tokens, cost, budget_schedule=schedule, auto_budget=auto
+        budget,
+        chain_seed,
+        max_verify_tokens,
+        cost,
+        max_verify_tokens_given=given_cap,
+        budget_schedule=schedule,
+        auto_budget=auto,
     )
 
 

@@ -30,7 +30,15 @@ def check_settings(vllm_config) -> None:
             "PIECEWISE or NONE, not FULL: a full graph of a mixed batch would replay the tree "
             "attention for prefill rows"
         )
-    budget = config.options_of(vllm_config.speculative_config).budget
+    options = config.options_of(vllm_config.speculative_config)
+    if options.max_verify_cost is not None or options.max_verify_tokens_given:
+        raise ValueError(
+            "ddtree_max_verify_tokens and ddtree_max_verify_cost shape the V1 model runner's "
+            "trees only; on the V2 model runner (vLLM's default on CUDA) set "
+            'ddtree_budget_per_batch_size ("auto", or [[first, last, budget], ...]) instead, '
+            "or VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner"
+        )
+    budget = options.budget
     max_model_len = vllm_config.model_config.max_model_len
     if 2 * budget + 3 > max_model_len:
         raise ValueError(
