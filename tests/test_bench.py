@@ -331,9 +331,11 @@ class FakeLLM:
         self.steps += 1
         self.batch_sizes.append(len(self.running))
         if self.log is not None:  # DDTREE_STEP_LOG's line of this step, as the engine writes it
-            now = time.time()
+            now = time.time()  # a step that starts and ends inside its measurement's window
+            while (end := time.time()) <= now:
+                pass
             with self.log.open("a") as log:
-                log.write(f'WARNING ddtree-steps {{"t":[{now},{now + 1e-4}],"k":"v"}}\n')
+                log.write(f'WARNING ddtree-steps {{"t":[{now},{end}],"k":"v"}}\n')
         if self.log is not None and self.steps % 4 == 0:
             with self.log.open("a") as log:
                 report = {"steps": 4, "ms_per_step": {"forward": float(self.steps)}}
