@@ -67,7 +67,7 @@ numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain v
 }
 case "$1" in
 smoke)
-  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,pairjson_nospec,pairjson_ddtree_64,random_nospec,random_ddtree_15,hybrid_nospec,hybrid_dflash,hybrid_ddtree_15
+  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pair_ddtreedefault_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,pairjson_nospec,pairjson_ddtree_64,random_nospec,random_ddtree_15,hybrid_nospec,hybrid_dflash,hybrid_ddtree_15
   ;;
 check)
   gpu_tests 420

@@ -137,6 +137,7 @@ def main() -> int:
     for budget in budgets:
         engines[f"ddtree-{budget}"] = {
             "method": "ddtree", "model": str(args.draft), "ddtree_budget": budget,
+            "ddtree_budget_per_batch_size": "fixed",  # B at every batch size, as named
         }  # fmt: skip
     got = {}
     for name, spec in engines.items():

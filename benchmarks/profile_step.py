@@ -60,7 +60,12 @@ def main() -> None:
         extra = dict(load_format="dummy", skip_tokenizer_init=True)
     spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
     if args.budget:
-        spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": args.budget}
+        spec = {
+            "method": "ddtree",
+            "model": str(drafter),
+            "ddtree_budget": args.budget,
+            "ddtree_budget_per_batch_size": "fixed",  # the budget profiled, at every size
+        }
     llm = vllm.LLM(
         model=str(target),
         speculative_config=spec,

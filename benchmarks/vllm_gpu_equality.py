@@ -30,6 +30,7 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "pair_ddtreetorch_64",
     "pair_ddtreesched_255",
     "pair_ddtreeauto_255",
+    "pair_ddtreedefault_255",
     "pair_ddtreesync_64",
     "pair_ddtreev1_64",
     "random_nospec",
@@ -61,7 +62,9 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreetorch:
 # DDTREE_TREE_KERNELS=torch (the tree build, walk and KV compaction in torch ops instead of the
 # default Triton kernels); ddtreesched: ddtree_budget_per_batch_size (B at 1-2 requests, 15
-# from 3); ddtreeauto: ddtree_budget_per_batch_size "auto" with DDTREE_TUNE_EVERY=4 (the
+# from 3); ddtreedefault: no ddtree_budget_per_batch_size (the V2 runner's default schedule:
+# each verify within a full graph; every other ddtree case sets "fixed"); ddtreeauto:
+# ddtree_budget_per_batch_size "auto" with DDTREE_TUNE_EVERY=4 (the
 # budgets change under the requests). max_model_len is 1024, or 4 x the budget where that is
 # more.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
@@ -201,6 +204,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
         budget = int(method.split("_")[-1])
         max_model_len = max(max_model_len, 4 * budget)  # V2 needs >= 2B + 3 (warm-up)
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
+        if not method.startswith("ddtreedefault_"):  # B at every batch size
+            spec["ddtree_budget_per_batch_size"] = "fixed"
         if method.startswith("ddtreesched_"):  # the scheduler verifies 15 of B at 3+ requests
             spec["ddtree_budget_per_batch_size"] = [[1, 2, budget], [3, 8, 15]]
         if method.startswith("ddtreeauto_"):

@@ -604,7 +604,8 @@ def test_schedule_engines_get_their_schedule_and_largest_budget(tmp_path, monkey
     spec = bench.engine_kwargs("ddtree-s2", args)["speculative_config"]
     assert spec["ddtree_budget"] == 63 and spec["ddtree_budget_per_batch_size"] == schedules[1]
     assert spec["ddtree_chain_seed"] is False
-    assert bench.engine_kwargs("ddtree-15", args)["speculative_config"]["ddtree_budget"] == 15
+    fixed = bench.engine_kwargs("ddtree-15", args)["speculative_config"]
+    assert fixed["ddtree_budget"] == 15 and fixed["ddtree_budget_per_batch_size"] == "fixed"
     assert bench.schedule_label(schedules[0]) == "1-4: 255, 5-512: 15"
     # --max-cudagraph-capture-size: every engine's graphs (GPU), the chain's own mode kept
     args.max_cudagraph_capture_size = 16384

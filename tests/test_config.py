@@ -352,7 +352,7 @@ def test_budget_per_batch_size_option():
         ([[1, 4, 65]], "must be in \\[1, ddtree_budget=64\\]"),
         ([[1, 4, 0]], "must be in"),
         ([[1, 4]], "3-item"),
-        ("fast", 'or "auto"'),
+        ("fast", '"auto" or "fixed"'),
         ({}, "non-empty list"),
         ([[1, 4, 8.5]], "ints"),
     ]
@@ -369,6 +369,56 @@ def test_budget_per_batch_size_option():
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 64]]
     with pytest.raises(ValueError, match="drop ddtree_max_verify_tokens / ddtree_max_verify_cost"):
         parse_options({**base, "ddtree_budget_per_batch_size": "auto", "ddtree_max_verify_cost": 2})
+    # "fixed": B at every batch size (no schedule; the V1 runner's cap still applies)
+    spec, options = parse_options({**base, "ddtree_budget_per_batch_size": "fixed"})
+    assert options.fixed_budget and options.budget_schedule is None and not options.auto_budget
+    assert "num_speculative_tokens_per_batch_size" not in spec
+    assert options.max_verify_tokens == 512
+
+
+def test_v2_default_schedule_keeps_every_verify_in_a_full_graph():
+    """With no ``ddtree_budget_per_batch_size`` the V2 runner verifies per request bucket the
+    widest tree whose verify fits vLLM's full-graph limit (512 tokens unless configured), down
+    to the chain; "fixed", "auto", a given schedule, a budget within the chain and hybrid
+    targets are left alone."""
+    from types import SimpleNamespace
+
+    from ddtree.vllm_plugin.config import apply_default_schedule, parse_options
+
+    draft = SimpleNamespace(hf_config=SimpleNamespace(block_size=16))  # D = 15
+
+    def applied(keys: dict, capture=None, hybrid=False):
+        spec, options = parse_options({"method": "ddtree", "model": "d", **keys})
+        vllm_spec = SimpleNamespace(
+            draft_model_config=draft,
+            num_speculative_tokens_per_batch_size=spec.get("num_speculative_tokens_per_batch_size"),
+        )
+        compilation = SimpleNamespace(max_cudagraph_capture_size=capture)
+        apply_default_schedule(vllm_spec, options, compilation, hybrid)
+        assert options.budget_schedule == (
+            None
+            if vllm_spec.num_speculative_tokens_per_batch_size is None or options.auto_budget
+            else tuple(tuple(r) for r in vllm_spec.num_speculative_tokens_per_batch_size)
+        )
+        return vllm_spec.num_speculative_tokens_per_batch_size
+
+    big = 1 << 20
+    assert applied({"ddtree_budget": 255}) == [
+        [1, 2, 255], [3, 4, 127], [5, 8, 63], [9, 16, 31], [17, big, 15]
+    ]  # fmt: skip
+    assert applied({"ddtree_budget": 63}, capture=2048) == [
+        [1, 32, 63],
+        [33, 64, 31],
+        [65, big, 15],
+    ]
+    assert applied({"ddtree_budget": 1023})[0] == [1, 1, 511]  # 1 x 1024 tokens: no graph
+    assert applied({"ddtree_budget": 15}) is None  # the chain: nothing to schedule
+    assert applied({"ddtree_budget": 255, "ddtree_budget_per_batch_size": "fixed"}) is None
+    assert applied({"ddtree_budget": 255}, hybrid=True) is None
+    given = [[1, 4, 64], [5, 8, 15]]
+    assert applied({"ddtree_budget": 64, "ddtree_budget_per_batch_size": given}) == given
+    auto = applied({"ddtree_budget": 64, "ddtree_budget_per_batch_size": "auto"})
+    assert auto == [[1, 1, 64]]  # the tuner's to rewrite
 
 
 def test_hybrid_targets_refused_on_cudas_v1_runner_and_with_prefix_caching(monkeypatch):

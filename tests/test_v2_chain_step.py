@@ -304,3 +304,31 @@ def test_acceptance_log_waits_for_its_copy_without_a_sync(caplog):
     lines = [r.getMessage() for r in caplog.records if ACCEPTANCE_MARKER in r.getMessage()]
     report = json.loads(lines[0].split(ACCEPTANCE_MARKER, 1)[1])
     assert report == {"steps": 2, "budget": 4, "rows": [2] * 4, "accepted": [2, 2, 4, 4]}
+
+
+def test_drafter_trees_per_bucket_follow_the_schedule():
+    """The V2 drafter builds, per graph bucket, the widest tree a batch size of the bucket
+    may verify: "auto" within full graphs, a schedule its largest K there, else B."""
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    cls = make_speculator_class(object)
+
+    def budgets(options: DDTreeOptions, graph_tokens=512) -> list[int]:
+        engine = SimpleNamespace(options=options, depth=15)
+        speculator = SimpleNamespace(engine=engine, tree_budgets={}, _graph_tokens=graph_tokens)
+        return [cls.tree_budget(speculator, n) for n in (1, 2, 3, 4, 8, 16, 24, 32)]
+
+    schedule = ((1, 2, 255), (3, 8, 63), (9, 512, 15))
+    assert budgets(DDTreeOptions(255, budget_schedule=schedule)) == [
+        255,
+        255,
+        63,
+        63,
+        63,
+        15,
+        15,
+        15,
+    ]
+    assert budgets(DDTreeOptions(255, auto_budget=True)) == [255, 255, 127, 127, 63, 31, 15, 15]
+    assert budgets(DDTreeOptions(255)) == [255] * 8

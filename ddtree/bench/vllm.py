@@ -273,6 +273,7 @@ def engine_kwargs(name: str, args) -> dict:
             "method": "ddtree",
             "model": str(args.draft),
             "ddtree_budget": int(name[7:]),
+            "ddtree_budget_per_batch_size": "fixed",  # B at every batch size, as named
             **args.ddtree_options,
         }
     else:

@@ -119,6 +119,8 @@ class DDTreeOptions:
     # ddtree_budget_per_batch_size "auto": budget_schedule is chosen by throughput while
     # serving (tuner.py) and written into the scheduler's lookup, shared here once it exists
     auto_budget: bool = False
+    # ddtree_budget_per_batch_size "fixed": B at every batch size (no default schedule on V2)
+    fixed_budget: bool = False
     live_lookup: list[int] | None = field(default=None, repr=False, compare=False)
     # Structured-output requests (V1 runner): request id -> parent slot of each draft, from
     # the proposer to the scheduler's grammar bitmask (v1/grammar.py); one process only.
@@ -195,6 +197,9 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
             f"the chain's, measured at start-up) or null (off), got {max_verify_cost!r}"
         )
     auto = schedule == "auto"
+    fixed = schedule == "fixed"
+    if fixed:
+        schedule = None
     if schedule is not None:
         schedule = None if auto else budget_schedule(schedule, budget)
         if max_verify_cost is not None or max_verify_tokens not in ("default", None):
@@ -232,6 +237,7 @@ def parse_options(spec: dict) -> tuple[dict, DDTreeOptions]:
         max_verify_tokens_given=given_cap,
         budget_schedule=schedule,
         auto_budget=auto,
+        fixed_budget=fixed,
     )
 
 
@@ -244,7 +250,7 @@ def budget_schedule(schedule, budget: int) -> tuple[tuple[int, int, int], ...]:
 
     hint = "ddtree_budget_per_batch_size: "
     if isinstance(schedule, str):
-        raise ValueError(f'{hint}[[first, last, budget], ...] or "auto", got {schedule!r}')
+        raise ValueError(f'{hint}[[first, last, budget], ...], "auto" or "fixed", got {schedule!r}')
     if isinstance(schedule, list):
         for entry in schedule:
             if not isinstance(entry, list | tuple) or not all(_is_int(x) for x in entry):
@@ -309,6 +315,39 @@ def configure_for_cuda(args) -> None:
     if mode is None and not args.enforce_eager:
         args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         log.info("ddtree: compilation_config.cudagraph_mode=PIECEWISE (V1 model runner)")
+
+
+def uses_v2_runner() -> bool:
+    """Whether a CUDA engine runs vLLM's V2 model runner (its default; hybrid targets are
+    switched to it by :func:`check_hybrid`), read from ``VLLM_USE_V2_MODEL_RUNNER``."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("0", "false")
+
+
+def apply_default_schedule(spec, options: DDTreeOptions, compilation, hybrid: bool) -> None:
+    """On the V2 runner with no ``ddtree_budget_per_batch_size``: the schedule of
+    ``tuner.default_schedule`` (per request bucket the widest tree whose verify fits a full
+    CUDA graph) on vLLM's ``SpeculativeConfig`` ``spec`` (read by its scheduler and the
+    runner's graph manager, in every process) and on ``options``. ``"fixed"`` keeps B at
+    every batch size; hybrid targets keep it too (their tree state under a schedule is not
+    measured on a GPU yet)."""
+    from ddtree.vllm_plugin.tuner import default_schedule
+
+    if options.budget_schedule or options.auto_budget or options.fixed_budget or hybrid:
+        return
+    graph_tokens = getattr(compilation, "max_cudagraph_capture_size", None)
+    schedule = default_schedule(options.budget, draft_depth(spec), graph_tokens)
+    if schedule is None:
+        return
+    spec.num_speculative_tokens_per_batch_size = schedule
+    options.budget_schedule = tuple(tuple(r) for r in schedule)
+    log.info(
+        "ddtree: budgets per batch size %s (each verify within a full CUDA graph; "
+        'ddtree_budget_per_batch_size "fixed" verifies %d at every size, "auto" chooses by '
+        "throughput)",
+        ", ".join(f"{a}-{b}: {k}" for a, b, k in schedule[:-1])
+        + f", {schedule[-1][0]}+: {schedule[-1][2]}",
+        options.budget,
+    )
 
 
 def check_platform(settings: Settings) -> None:

@@ -85,6 +85,9 @@ def _patch_config() -> None:
             result = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = {**spec, "method": "ddtree"}
+        if current_platform.is_cuda() and config.uses_v2_runner():
+            hybrid = target_model_config.is_hybrid
+            config.apply_default_schedule(result, options, self.compilation_config, hybrid)
         result.ddtree = options  # a plain attribute: it travels with the pickled config
         return result
 

@@ -340,6 +340,31 @@ def widest_budget(budget: int, depth: int, size: int, graph_tokens: int | None) 
     return max([k for k in candidates if size * (1 + k) <= graph_tokens] + [min(budget, depth)])
 
 
+DEFAULT_GRAPH_TOKENS = 512  # vLLM's max_cudagraph_capture_size unless configured
+
+
+def default_schedule(budget: int, depth: int, graph_tokens: int | None) -> list[list[int]] | None:
+    """The V2 runner's schedule when the config names none: per request bucket the widest
+    tree whose verify fits a full CUDA graph of ``graph_tokens`` tokens (``widest_budget``;
+    vLLM's limit, or ``DEFAULT_GRAPH_TOKENS``), as ``[[first, last, budget], ...]`` up to the
+    chain; None when that is B at every size (nothing to schedule). A fixed B verified at
+    every batch size runs wide trees eagerly once the batch grows (B=63 at 16 requests:
+    x0.73 of the chain, H100, 2026-12-06)."""
+    limit = graph_tokens or DEFAULT_GRAPH_TOKENS
+    chain = min(budget, depth)
+    sizes, chosen = [], []
+    size = 1
+    while not chosen or chosen[-1] > chain:
+        sizes.append(size)
+        chosen.append(widest_budget(budget, depth, size, limit))
+        size *= 2
+    schedule = bucket_schedule(sizes, chosen, sizes[-1])
+    if len(schedule) == 1:
+        return None
+    schedule[-1][1] = 1 << 20  # the chain from there on (vLLM clips to max_num_seqs)
+    return schedule
+
+
 def v1_step_seconds(runner) -> Callable[[int, int], float]:
     """The V1 runner's step cost: the target's forward over ``requests * (1 + budget)``
     tokens (``cost_model.forward_seconds``: vLLM's dummy batch, the drafter's left out; the

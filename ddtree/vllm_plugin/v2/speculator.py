@@ -103,18 +103,22 @@ def make_speculator_class(base):
 
         def tree_budget(self, num_reqs: int) -> int:
             """The budget of the trees built for ``num_reqs`` requests (a drafter graph's
-            padded batch): ``ddtree_budget``, or for "auto" the widest its bucket may verify
-            (``tuner.widest_budget``). A smaller batch may schedule more drafts than a tree
-            built for a larger one holds: ``TreeTables.store`` pads such trees."""
+            padded batch): for "auto" the widest its bucket may verify
+            (``tuner.widest_budget``), with a schedule the largest it gives a batch size of
+            the bucket, else ``ddtree_budget``. A smaller batch may schedule more drafts than
+            a tree built for a larger one holds: ``TreeTables.widen`` pads such trees."""
             budget = self.tree_budgets.get(num_reqs)
             if budget is None:
                 options = self.engine.options
+                size = graphs.bucket(num_reqs)
                 budget = options.budget
                 if options.auto_budget:
                     from ddtree.vllm_plugin.tuner import widest_budget
 
-                    size = graphs.bucket(num_reqs)
                     budget = widest_budget(budget, self.engine.depth, size, self._graph_tokens)
+                elif options.budget_schedule:
+                    sizes = range(size // 2 + 1, size + 1)
+                    budget = max(options.scheduled_budget(n) for n in sizes)
                 self.tree_budgets[num_reqs] = budget
             return budget
 
