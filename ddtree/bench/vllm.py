@@ -939,7 +939,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ddtree-options",
         type=json.loads,
         default={},
-        help="more ddtree keys as JSON, e.g. '{\"ddtree_max_verify_cost\": null}'",
+        help="more ddtree keys as JSON, e.g. '{\"ddtree_chain_seed\": false}'",
     )
     parser.add_argument(
         "--ddtree-profile",
