@@ -188,12 +188,37 @@ class AcceptanceCurve:
         for tensor in (self.rows, self.accepted, self.predicted, self.proposals):
             tensor.zero_()
 
+
+class CurveReader:
+    """An :class:`AcceptanceCurve`'s sums on the host without a sync: :meth:`start` copies
+    them (non-blocking, into pinned memory, marked by an event on CUDA) and zeroes the curve;
+    :meth:`landed` says, once per copy, that ``host`` (float64 ``[4 B]``: rows, accepted,
+    proposals, predicted) holds it: at once on the CPU, later on CUDA. The step never waits."""
+
+    def __init__(self, curve: AcceptanceCurve):
+        cuda = curve.rows.device.type == "cuda"
+        self.curve = curve
+        self.host = torch.zeros(4 * len(curve.rows), dtype=torch.float64, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending = False  # a copy is in flight
+
+    def start(self) -> None:
+        self.host.copy_(self.curve.sums(), non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        self.curve.zero()  # after the copy, on the same stream
+        self.pending = True
+
+    def landed(self) -> bool:
+        if self.pending and (self.event is None or self.event.query()):
+            self.pending = False
+            return True
+        return False
+
     def take(self) -> dict:
-        """The sums so far as plain lists (a host read), then zeroed:
-        ``{"rows": [B], "accepted": [B]}``, entry K-1 for budget K."""
-        out = {"rows": self.rows.tolist(), "accepted": self.accepted.tolist()}
-        self.zero()
-        return out
+        """The landed copy's ``{"rows": [B], "accepted": [B]}``, entry K-1 for budget K."""
+        rows, accepted = self.host.view(4, -1)[:2].long().tolist()
+        return {"rows": rows, "accepted": accepted}
 
 
 def mean_accepted(reports: list[dict]) -> list[float | None]:

@@ -82,16 +82,23 @@ def test_throughput_schedule_refuses_mismatched_tables():
 
 
 def test_acceptance_curve_sums_valid_budgets_and_resets():
-    from ddtree.budget import AcceptanceCurve, mean_accepted
+    from ddtree.budget import AcceptanceCurve, CurveReader, mean_accepted
 
     curve = AcceptanceCurve(4, "cpu")
+    reader = CurveReader(curve)
+
+    def take() -> dict:  # on the CPU a copy lands at once
+        reader.start()
+        assert reader.landed() and not reader.landed()  # once per copy
+        return reader.take()
+
     path = torch.tensor([[0, 1, 3, -1], [0, 2, 4, 5], [0, -1, -1, -1]])
     curve.update(path, torch.tensor([4, 2, 0]))  # request 1 verified 2 nodes, request 2 none
-    first = curve.take()
+    first = take()
     assert first == {"rows": [2, 2, 1, 1], "accepted": [1, 2, 2, 2]}
-    assert curve.take() == {"rows": [0] * 4, "accepted": [0] * 4}  # zeroed by take
+    assert take() == {"rows": [0] * 4, "accepted": [0] * 4}  # zeroed by the read
     curve.update(path[:1], torch.tensor([4]))
-    second = curve.take()
+    second = take()
     assert mean_accepted([first, second]) == [2 / 3, 3 / 3, 4 / 2, 4 / 2]  # rows 3, 3, 2, 2
     assert mean_accepted([{"rows": [0, 1], "accepted": [0, 1]}]) == [None, 1.0]
 
@@ -201,7 +208,7 @@ def test_tuner_learns_served_step_costs_and_tries_a_neighbour_once():
     from types import SimpleNamespace
 
     from ddtree.vllm_plugin.config import DDTreeOptions
-    from ddtree.vllm_plugin.tuner import BudgetTuner, apply
+    from ddtree.vllm_plugin.tuner import BudgetTuner, apply, scheduled_drafts
 
     options = DDTreeOptions(budget=31, auto_budget=True, budget_schedule=((1, 16, 31),))
     tuner = BudgetTuner(options, torch.device("cpu"), every=1)
@@ -218,7 +225,7 @@ def test_tuner_learns_served_step_costs_and_tries_a_neighbour_once():
             )
             if prefill:  # one request without drafts: says nothing about K
                 out.scheduled_spec_decode_tokens.pop(0)
-            tuner.observe(out, now=clock[0])
+            tuner.observe(*scheduled_drafts(out), now=clock[0])
             clock[0] += ms / 1e3
 
     assert tuner.choose(expected) == [[1, 16, 31]]  # flat table: the wider tree

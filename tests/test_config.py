@@ -222,6 +222,29 @@ def test_cuda_settings_defaults(monkeypatch):
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
 
 
+def _v2_vllm_config(options, max_model_len: int, vocab: int, mode=None):
+    """What ``v2.prepare.check_settings`` reads of a vLLM config (one GPU, bf16 KV cache)."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    return SimpleNamespace(
+        parallel_config=parallel,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(
+            uses_xdrope_dim=0, max_model_len=max_model_len, get_vocab_size=lambda: vocab
+        ),
+        compilation_config=SimpleNamespace(cudagraph_mode=mode or CUDAGraphMode.FULL_AND_PIECEWISE),
+        speculative_config=SimpleNamespace(ddtree=options),
+    )
+
+
 @pytest.mark.parametrize(
     "budget, mode, max_model_len, message",
     [
@@ -233,28 +256,12 @@ def test_cuda_settings_defaults(monkeypatch):
 )
 def test_v2_runner_refuses_what_it_cannot_serve(budget, mode, max_model_len, message):
     """The V2 runner's checks (CUDA only at run time; the check itself is plain Python)."""
-    from types import SimpleNamespace
-
     from vllm.config.compilation import CUDAGraphMode
 
     from ddtree.vllm_plugin.config import DDTreeOptions
     from ddtree.vllm_plugin.v2.prepare import check_settings
 
-    parallel = SimpleNamespace(
-        pipeline_parallel_size=1,
-        data_parallel_size=1,
-        decode_context_parallel_size=1,
-        prefill_context_parallel_size=1,
-    )
-    config = SimpleNamespace(
-        parallel_config=parallel,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        model_config=SimpleNamespace(
-            uses_xdrope_dim=0, max_model_len=max_model_len, get_vocab_size=lambda: 64
-        ),
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
-        speculative_config=SimpleNamespace(ddtree=DDTreeOptions(budget)),
-    )
+    config = _v2_vllm_config(DDTreeOptions(budget), max_model_len, 64, CUDAGraphMode[mode])
     with pytest.raises((ValueError, NotImplementedError), match=message):
         check_settings(config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -271,27 +278,12 @@ def test_v2_runner_refuses_the_v1_only_budget_caps():
     """``ddtree_max_verify_tokens`` / ``ddtree_max_verify_cost`` shape only the V1 runner's
     trees: on V2, given in the config, they are refused by name, not silently ignored (the
     default cap, which V2 does not apply, passes)."""
-    from types import SimpleNamespace
-
-    from vllm.config.compilation import CUDAGraphMode
-
     from ddtree.vllm_plugin.config import parse_options
     from ddtree.vllm_plugin.v2.prepare import check_settings
 
     def config(**keys):
         _, options = parse_options({"method": "ddtree", "model": "d", "ddtree_budget": 63, **keys})
-        return SimpleNamespace(
-            parallel_config=SimpleNamespace(
-                pipeline_parallel_size=1, data_parallel_size=1,
-                decode_context_parallel_size=1, prefill_context_parallel_size=1,
-            ),
-            cache_config=SimpleNamespace(cache_dtype="auto"),
-            model_config=SimpleNamespace(
-                uses_xdrope_dim=0, max_model_len=1024, get_vocab_size=lambda: 151936
-            ),
-            compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
-            speculative_config=SimpleNamespace(ddtree=options),
-        )  # fmt: skip
+        return _v2_vllm_config(options, 1024, 151936)
 
     check_settings(config())
     check_settings(config(ddtree_max_verify_tokens=None))  # no cap: what V2 does

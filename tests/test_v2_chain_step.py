@@ -95,7 +95,7 @@ def test_chain_steps_go_to_vllms_rejection_sampler(monkeypatch):
     verified = torch.tensor([5, 0, 4])
     budgets = torch.arange(1, 32)
     valid = budgets[None, :] <= verified[:, None]
-    rows, accepted = engine.tuner.host.view(4, -1)[:2]
+    rows, accepted = engine.tuner.reader.host.view(4, -1)[:2]
     assert rows.tolist() == valid.sum(0).tolist()
     assert accepted.tolist() == (accepted_within(path, budgets) * valid).sum(0).tolist()
 
@@ -179,21 +179,26 @@ def test_narrower_trees_are_padded_with_rejected_children_of_the_root():
     assert tables.widen(wide) is wide
 
 
-def test_the_tuner_times_and_schedules_only_trees_within_full_graphs():
+def _timing_runner(max_num_seqs: int) -> SimpleNamespace:
+    """What ``tuner.measure`` reads of a runner: vLLM's default 512-token full decode graphs."""
     from vllm.config.compilation import CUDAGraphMode
 
+    compilation = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_cudagraph_capture_size=512
+    )
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_scheduled_tokens=8192, max_num_seqs=max_num_seqs),
+        vllm_config=SimpleNamespace(compilation_config=compilation),
+    )
+
+
+def test_the_tuner_times_and_schedules_only_trees_within_full_graphs():
     from ddtree.vllm_plugin.config import DDTreeOptions
     from ddtree.vllm_plugin.tuner import BudgetTuner, measure
 
     options = DDTreeOptions(255, auto_budget=True)
     tuner = BudgetTuner(options, torch.device("cpu"))
-    compilation = SimpleNamespace(
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_cudagraph_capture_size=512
-    )
-    runner = SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_scheduled_tokens=8192, max_num_seqs=32),
-        vllm_config=SimpleNamespace(compilation_config=compilation),
-    )
+    runner = _timing_runner(max_num_seqs=32)
     timed = []
 
     def seconds(reqs: int, budget: int) -> float:
@@ -217,20 +222,12 @@ def test_start_up_timing_survives_stalls():
     """A stalled timing (the host busy with another engine's start-up) must not cut a bucket's
     budgets: the fastest of several rounds per cell, and a larger budget's lower time bounds
     a smaller one's (not a running maximum, which carries a stall to every larger budget)."""
-    from vllm.config.compilation import CUDAGraphMode
-
     from ddtree.vllm_plugin.config import DDTreeOptions
     from ddtree.vllm_plugin.tuner import TIMING_ROUNDS, BudgetTuner, measure
 
     options = DDTreeOptions(255, auto_budget=True)
     tuner = BudgetTuner(options, torch.device("cpu"))
-    compilation = SimpleNamespace(
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_cudagraph_capture_size=512
-    )
-    runner = SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_scheduled_tokens=8192, max_num_seqs=2),
-        vllm_config=SimpleNamespace(compilation_config=compilation),
-    )
+    runner = _timing_runner(max_num_seqs=2)
     calls = {}
 
     def seconds(reqs: int, budget: int) -> float:
@@ -291,7 +288,7 @@ def test_acceptance_log_waits_for_its_copy_without_a_sync(caplog):
 
     done = []
     log = AcceptanceLog(2, 4, "cpu")
-    log.copied = SimpleNamespace(record=lambda: None, query=lambda: bool(done))  # a CUDA event
+    log.reader.event = SimpleNamespace(record=lambda: None, query=lambda: bool(done))  # CUDA's
     path = torch.tensor([[0, 1, 3, -1]])
     with caplog.at_level(logging.WARNING, logger="vllm.ddtree"):
         for _ in range(5):

@@ -155,7 +155,7 @@ def check(kernels: str) -> None:
     assert accepted[0] >= 1 and engine.walked
     # The tuner's sums of this step (copied by its step() once per sampler call): request 0
     # verified 15 nodes, request 2 six (its clipped tree), the prefill none.
-    rows, got = engine.tuner.host.view(4, -1)[:2]
+    rows, got = engine.tuner.reader.host.view(4, -1)[:2]
     assert rows.tolist() == [2] * 6 + [1] * 9
     from ddtree.budget import accepted_within
 

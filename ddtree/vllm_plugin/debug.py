@@ -114,14 +114,12 @@ class AcceptanceLog:
     landed: the log never stalls the step (the tuner reads its sums the same way)."""
 
     def __init__(self, every: int, budget: int, device):
-        from ddtree.budget import AcceptanceCurve
+        from ddtree.budget import AcceptanceCurve, CurveReader
 
         self.every, self.budget = every, budget
         self.curve = AcceptanceCurve(budget, device)
-        cuda = torch.device(device).type == "cuda"
-        self.host = torch.zeros(4 * budget, dtype=torch.float64, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None
-        self.pending = 0  # steps the copy in flight covers (0: none)
+        self.reader = CurveReader(self.curve)
+        self.covered = 0  # steps the copy in flight covers
         self.steps = 0
 
     def update(self, path: torch.Tensor, verified: torch.Tensor) -> None:
@@ -129,22 +127,17 @@ class AcceptanceLog:
 
     def step(self) -> None:
         self.steps += 1
-        if self.pending and self.copied.query():
+        if self.reader.landed():
             self._log()
-        if self.steps >= self.every and not self.pending:
-            self.host.copy_(self.curve.sums(), non_blocking=self.copied is not None)
-            self.curve.zero()  # after the copy, on the same stream
-            self.pending, self.steps = self.steps, 0
-            if self.copied is None:
+        if self.steps >= self.every and not self.reader.pending:
+            self.reader.start()
+            self.covered, self.steps = self.steps, 0
+            if self.reader.landed():  # at once on the CPU
                 self._log()
-            else:
-                self.copied.record()
 
     def _log(self) -> None:
-        rows, accepted = self.host.view(4, -1)[:2].long().tolist()
-        report = {"steps": self.pending, "budget": self.budget, "rows": rows, "accepted": accepted}
+        report = {"steps": self.covered, "budget": self.budget, **self.reader.take()}
         log.warning("%s%s", ACCEPTANCE_MARKER, json.dumps(report, separators=(",", ":")))
-        self.pending = 0
 
 
 class StepPeriods:

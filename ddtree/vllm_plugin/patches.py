@@ -255,7 +255,7 @@ def _patch_v1_runner() -> None:
         debug.record_step(self, scheduler_output)  # DDTREE_STEP_LOG, any engine
         engine = engine_of(self)
         if engine is not None and engine.tuner is not None:  # "auto": served step periods
-            engine.tuner.observe(scheduler_output)
+            engine.tuner.observe(*tuner.scheduled_drafts(scheduler_output))
         return original(self, scheduler_output, *args, **kwargs)
 
     @wrap(runner_cls, "_prepare_inputs")
@@ -423,8 +423,6 @@ def _patch_v2_runner() -> None:
         debug.record_step(self, scheduler_output, dummy_run)  # DDTREE_STEP_LOG, any engine
         engine = engine_of(self)
         if engine is not None:
-            if engine.tuner is not None and not dummy_run:  # "auto": served step periods
-                engine.tuner.observe(scheduler_output)
             v2_prepare.begin_step(engine, scheduler_output, dummy_run)
         return original(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
 

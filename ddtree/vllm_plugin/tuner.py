@@ -23,7 +23,6 @@ the options object: one engine-core process (vLLM's ``uni`` executor), checked a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch
 
 from ddtree.budget import (
     AcceptanceCurve,
+    CurveReader,
     bucket_schedule,
     expected_accepted,
     fastest,
@@ -67,11 +67,8 @@ class BudgetTuner:
         self.step_ms: list[list[float]] = []  # [sizes][candidates]
         self.max_batch = 0
         self.curve = AcceptanceCurve(options.budget, device)
-        cuda = device.type == "cuda"
-        self.host = torch.zeros(4 * options.budget, dtype=torch.float64, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None
-        self.totals = torch.zeros_like(self.host, device="cpu")
-        self.pending = False
+        self.reader = CurveReader(self.curve)
+        self.totals = torch.zeros(4 * options.budget, dtype=torch.float64)
         self.steps = 0
         self.updates = 0
         # Served step periods per (bucket, K) cell, host clock: this window's sums, and the
@@ -92,12 +89,13 @@ class BudgetTuner:
         self.live = [[[0.0, 0.0] for _ in candidates] for _ in sizes]
         self.cost_ms = self.costs()
 
-    def observe(self, scheduler_output, now: float | None = None) -> None:
-        """At the start of every engine step (host, both runners): the period since the last
-        start is what the last step cost, counted for its (bucket, K) cell if every request of
-        it verified drafts (a prefill among them, or a step without drafts, says nothing
-        about K). What start-up's dummy steps leave out (host work per draft, structured
-        output, penalties, the sampler's options) is in these periods."""
+    def observe(self, num_reqs: int, uniform: bool, longest: int, now: float | None = None) -> None:
+        """At the start of every engine step (host, both runners), with the step's
+        :func:`scheduled_drafts`: the period since the last start is what the last step cost,
+        counted for its (bucket, K) cell if every request of it verified drafts (a prefill
+        among them, or a step without drafts, says nothing about K). What start-up's dummy
+        steps leave out (host work per draft, structured output, penalties, the sampler's
+        options) is in these periods."""
         now = time.perf_counter() if now is None else now
         if self._last is not None and self._last[1] is not None:
             i, j = self._last[1]
@@ -106,20 +104,12 @@ class BudgetTuner:
                 cell = self.window[i][j]
                 cell[0] += period
                 cell[1] += 1
-        self._last = (now, self._cell(scheduler_output) if self.step_ms else None)
-
-    def _cell(self, scheduler_output) -> tuple[int, int] | None:
-        """The (bucket index, candidate index) of a step where every request verifies K
-        drafts, K a candidate; else None."""
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        requests = scheduler_output.num_scheduled_tokens
-        if not requests or not all(drafts.get(r) for r in requests):
-            return None
-        budget = max(len(d) for d in drafts.values())
-        if budget not in self.candidates:
-            return None
-        size = graphs.bucket(min(len(requests), self.max_batch))
-        return min(self.sizes.index(size), len(self.sizes) - 1), self.candidates.index(budget)
+        cell = None
+        if self.step_ms and num_reqs and uniform and longest in self.candidates:
+            size = graphs.bucket(min(num_reqs, self.max_batch))
+            i = min(self.sizes.index(size), len(self.sizes) - 1)
+            cell = i, self.candidates.index(longest)
+        self._last = (now, cell)
 
     def costs(self) -> list[list[float]]:
         """Step ms per (bucket, K): the served mean where a cell has ``MIN_LIVE_STEPS``, else
@@ -149,18 +139,14 @@ class BudgetTuner:
         """Once per engine step, on the host: start a copy of the sums every ``every`` steps
         and fold one in once it has landed. Never waits for the device."""
         self.steps += 1
-        if self.pending and (self.copied is None or self.copied.query()):
-            self.pending = False
+        if self.reader.landed():
             self._fold()
-        if self.steps >= self.every and not self.pending:
-            self.host.copy_(self.curve.sums(), non_blocking=True)
-            if self.copied is not None:
-                self.copied.record()
-            self.curve.zero()  # after the copy, on the same stream
-            self.pending, self.steps = True, 0
+        if self.steps >= self.every and not self.reader.pending:
+            self.reader.start()
+            self.steps = 0
 
     def _fold(self) -> None:
-        self.totals.mul_(DECAY).add_(self.host)
+        self.totals.mul_(DECAY).add_(self.reader.host)
         for live_row, window_row in zip(self.live, self.window, strict=True):
             for live, window in zip(live_row, window_row, strict=True):
                 if window[1] > 0:
@@ -237,6 +223,15 @@ class BudgetTuner:
         return choice
 
 
+def scheduled_drafts(scheduler_output) -> tuple[int, bool, int]:
+    """A ``SchedulerOutput``'s requests, whether every one of them verifies drafts, and the
+    most drafts of one (the step's budget K)."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    requests = scheduler_output.num_scheduled_tokens
+    uniform = all(drafts.get(r) for r in requests)
+    return len(requests), uniform, max((len(d) for d in drafts.values()), default=0)
+
+
 def apply(options: DDTreeOptions, schedule: list[list[int]]) -> bool:
     """Make ``schedule`` the engine's: the options' ``budget_schedule`` and, once the
     scheduler exists, its dense lookup (in place: the scheduler holds that list). Returns
@@ -295,7 +290,7 @@ def measure(
             raw[i][j] = min(raw[i][j], 1e3 * step_seconds(reqs, candidates[j]))
     # A larger tree never costs less: each budget costs the least measured at it or at a
     # larger one (noise only adds time; a running maximum would carry one stall upward).
-    step_ms = [list(itertools.accumulate(reversed(row), min))[::-1] for row in raw]
+    step_ms = [cost_model.suffix_min(row) for row in raw]
     first = [  # per bucket: candidates[0] is the chain
         max(k for k, ms in zip(candidates, row, strict=True) if ms <= INITIAL_COST_RATIO * row[0])
         for row in step_ms

@@ -3,7 +3,7 @@ their depth positions (after vLLM computed the KV slots from sequential position
 
 from __future__ import annotations
 
-from ddtree.vllm_plugin import config, graphs
+from ddtree.vllm_plugin import config, graphs, tuner
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
@@ -66,11 +66,11 @@ def begin_step(engine: TreeEngine, scheduler_output, dummy_run: bool) -> None:
     if dummy_run:
         engine.uniform_trees = True
         return
-    drafts = scheduler_output.scheduled_spec_decode_tokens
-    engine.uniform_trees = all(drafts.get(r) for r in scheduler_output.num_scheduled_tokens)
+    num_reqs, engine.uniform_trees, longest = tuner.scheduled_drafts(scheduler_output)
+    if engine.tuner is not None:  # "auto": the served period of the last step
+        engine.tuner.observe(num_reqs, engine.uniform_trees, longest)
     # K <= D drafts of a chain-seeded tree are slots 1..K at depths 1..K: the walk's path is
     # slots 0..a in order and the drafter's rows are already in place (no reorder).
-    longest = max((len(d) for d in drafts.values()), default=0)
     engine.chain_trees = engine.options.chain_seed and longest <= engine.depth
 
 
