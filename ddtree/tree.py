@@ -304,21 +304,27 @@ def _root_only(batch: int, depth: int, device: torch.device) -> DraftTree:
     )
 
 
-def chain_tree(draft_tokens: torch.Tensor) -> DraftTree:
+def chain_tree(draft_tokens: torch.Tensor, max_depth: int | None = None) -> DraftTree:
     """The plain DFlash chain as a tree: node d holds ``draft_tokens[:, d-1]``, parent d-1.
 
-    ``draft_tokens`` long ``[b, D]`` (e.g. the drafter's argmax per depth).
+    ``draft_tokens`` long ``[b, K]`` (e.g. the drafter's argmax per depth). ``ancestors`` has
+    ``max_depth + 1`` columns (default K + 1). With ``chain_seed``, :func:`build_tree` at a
+    budget K <= D gives this tree (the argmax chain, ties to the lower id).
     """
     batch, depth = draft_tokens.shape
     device = draft_tokens.device
-    slots = torch.arange(depth + 1, device=device).expand(batch, depth + 1)
+    slot = torch.arange(depth + 1, device=device)
+    slots = slot.expand(batch, depth + 1)
     root = torch.full((batch, 1), -1, dtype=torch.long, device=device)
     tokens = torch.cat([root, draft_tokens.long()], 1)
-    parents = slots - 1
-    ancestors, mask = _ancestry(parents, depth)
+    # A chain's k-th ancestor of slot j is slot j - k, the root past it: a few launches (the
+    # V2 drafter builds this inside its graphs at large batches), not D rounds of gathers.
+    lag = torch.arange(max(depth, max_depth or 0) + 1, device=device)
+    ancestors = (slot[:, None] - lag[None, :]).clamp(min=0).expand(batch, -1, -1).contiguous()
+    mask = (slot[None, :] <= slot[:, None]).expand(batch, -1, -1).contiguous()
     return DraftTree(
         tokens=tokens,
-        parents=parents,
+        parents=slots - 1,
         depths=slots.clone(),
         mask=mask,
         scores=torch.zeros(batch, depth + 1, device=device),

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 import ddtree
 from ddtree.reference import build_tree_reference
+from ddtree.tree import chain_tree
 
 from helpers import KINDS, make_logits, tree_paths
 
@@ -114,6 +115,20 @@ def test_chain_seed_holds_the_argmax_chain(shape, kind, seed):
         if dropped and others:
             assert max(plain_paths[p] for p in dropped) <= min(paths[p] for p in others)
         assert len(paths) == len(plain_paths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.sampled_from(KINDS), st.integers(0, 2**31 - 1))
+def test_chain_sized_seeded_tree_is_the_argmax_chain_tree(shape, kind, seed):
+    """At a budget K <= D, ``chain_seed`` gives exactly ``chain_tree`` of the argmax chain
+    (the V2 drafter drafts chain-sized buckets that way, without a tree build)."""
+    batch, depth, vocab, budget = shape
+    budget = 1 + budget % depth  # 1..D
+    logits = make_logits(kind, batch, depth, vocab, seed)
+    seeded = ddtree.build_tree(logits, budget, chain_seed=True)
+    chain = chain_tree(logits[:, :budget].argmax(-1), max_depth=depth)
+    for name in ("tokens", "parents", "depths", "mask", "ancestors", "num_nodes"):
+        assert torch.equal(getattr(chain, name), getattr(seeded, name)), name
 
 
 def test_budget_zero_is_root_only():

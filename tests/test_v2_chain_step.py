@@ -329,3 +329,60 @@ def test_drafter_trees_per_bucket_follow_the_schedule():
     ]
     assert budgets(DDTreeOptions(255, auto_budget=True)) == [255, 255, 127, 127, 63, 31, 15, 15]
     assert budgets(DDTreeOptions(255)) == [255] * 8
+
+
+def test_chain_sized_buckets_draft_the_argmax_chain_without_a_tree_build():
+    """A drafter graph whose bucket verifies K <= D drafts stores the argmax chain (no
+    vocabulary stage, no tree build, no tuner proposals) — the very tree that ``build_tree``
+    with ``chain_seed`` gives at K, ties to the lower id — and wider buckets build trees."""
+    from ddtree.vllm_plugin.config import DDTreeOptions
+    from ddtree.vllm_plugin.v2.engine import TreeTables
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    cls = make_speculator_class(object)
+    depth, vocab, budget = 6, 50, 31
+    gen = torch.Generator().manual_seed(4)
+    schedule = ((1, 2, budget), (3, 512, 4))  # 3+ requests: a chain-sized K = 4
+    built = []
+
+    class Tuner:
+        def proposed(self, scores, real):
+            built.append(scores.shape[1] - 1)
+
+    def speculator(num_reqs: int):
+        engine = SimpleNamespace(
+            options=DDTreeOptions(budget, budget_schedule=schedule),
+            depth=depth,
+            tables=TreeTables(8, budget, depth, torch.device("cpu")),
+            settings=SimpleNamespace(fused_tree_kernels=False),
+            tuner=Tuner(),
+        )
+        spec = SimpleNamespace(
+            engine=engine,
+            tree_budgets={},
+            _graph_tokens=512,
+            idx_mapping=torch.tensor([5, 0, 7, 2, 1, 3, 4, 6])[:num_reqs],
+            draft_nodes=torch.zeros(8, budget, dtype=torch.long),
+        )
+        spec.tree_budget = lambda n: cls.tree_budget(spec, n)
+        spec._build_trees = lambda logits: cls._build_trees(spec, logits)
+        return spec
+
+    for num_reqs, k in ((4, 4), (2, budget)):
+        logits = torch.randn(num_reqs, depth, vocab, generator=gen)
+        logits[0, 1, 7] = logits[0, 1, 3] = logits[0, 1].max() + 1  # a tie: the lower id
+        spec = speculator(num_reqs)
+        built.clear()
+        cls._store_trees(spec, logits)
+        assert built == ([] if k <= depth else [budget])
+        expected = spec.engine.tables.widen(ddtree.build_tree(logits, k, chain_seed=True))
+        rows = spec.idx_mapping.long()
+        tables = spec.engine.tables
+        assert torch.equal(tables.tokens[rows], expected.tokens)
+        assert torch.equal(tables.parents[rows], expected.parents)
+        assert torch.equal(tables.depths[rows], expected.depths.int())
+        assert torch.equal(tables.ancestors[rows], expected.ancestors.int())
+        nodes = expected.tokens[:, 1:]
+        assert torch.equal(spec.draft_nodes[:num_reqs], torch.where(nodes >= 0, nodes, 0))
+        if k <= depth:
+            assert tables.tokens[5, 2].item() == 3

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.tree import draft_topk, tree_from_ranked
+from ddtree.tree import chain_tree, draft_topk, tree_from_ranked
 from ddtree.vllm_plugin import config, graphs
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
@@ -91,11 +91,23 @@ def make_speculator_class(base):
             depth = self.num_speculative_steps
             rows = self.sample_indices[: num_reqs * depth]
             logits = self.model.compute_logits(hidden[rows]).view(num_reqs, depth, -1)
-            trees = self._build_trees(logits)
-            if self.engine.tuner is not None:
-                real = self.idx_mapping[:num_reqs] != self.engine.tables.spare_row
-                self.engine.tuner.proposed(trees.scores, real)
-            # Inside the graph: each tree under its request's row, its node tokens for vLLM.
+            self._store_trees(logits)
+
+        def _store_trees(self, logits: torch.Tensor) -> None:
+            """Trees of ``logits [R, D, V]`` (graph-recordable): each under its request's row
+            of the tables, their node tokens into ``draft_nodes`` for vLLM."""
+            num_reqs, depth, _ = logits.shape
+            budget = self.tree_budget(num_reqs)
+            if budget <= depth and self.engine.options.chain_seed:
+                # A chain-sized bucket (large batches): the tree is the argmax chain, so it is
+                # drafted as vLLM's chain drafts, without the vocabulary stage and tree build.
+                # The tuner's predictions come from the buckets that build wider trees.
+                trees = chain_tree(logits[:, :budget].argmax(-1), max_depth=depth)
+            else:
+                trees = self._build_trees(logits)
+                if self.engine.tuner is not None:
+                    real = self.idx_mapping[:num_reqs] != self.engine.tables.spare_row
+                    self.engine.tuner.proposed(trees.scores, real)
             trees = self.engine.tables.widen(trees)
             self.engine.tables.store(self.idx_mapping[:num_reqs].long(), trees)
             nodes = trees.tokens[:, 1:]
