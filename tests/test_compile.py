@@ -11,10 +11,13 @@ pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's inte
 
 
 def test_compile_fullgraph_matches_eager():
+    """``fullgraph=True``: a graph break (data-dependent control flow, a host read) raises.
+    ``aot_eager`` traces and functionalizes the graph as Inductor would, without its code
+    generation (no engine compiles these functions; the traceability is what is tested)."""
     torch._dynamo.reset()
     logits = make_logits("ties", 2, 4, 30, 0)
-    build = torch.compile(ddtree.build_tree, fullgraph=True)
-    walk = torch.compile(ddtree.walk, fullgraph=True)
+    build = torch.compile(ddtree.build_tree, fullgraph=True, backend="aot_eager")
+    walk = torch.compile(ddtree.walk, fullgraph=True, backend="aot_eager")
     for chain_seed in (False, True):
         eager = ddtree.build_tree(logits, 16, chain_seed=chain_seed)
         compiled = build(logits, 16, chain_seed=chain_seed)

@@ -22,11 +22,18 @@ def test_kernel_equals_the_reference():
 
 
 def check(
-    dtype: torch.dtype, l2norm: bool, seed: int, chain_seed: bool = False, budget: int = 17
+    dtype: torch.dtype,
+    l2norm: bool,
+    seed: int,
+    chain_seed: bool = False,
+    budget: int = 17,
+    run_sizes: tuple[int, ...] = (3,),
 ) -> None:
     """``budget`` 17 at depth 3: 2 + 4 + 8 = 14 prefixes exist, 3 padding slots. With
     ``chain_seed`` the leading slots are a chain (walked by the root's program), and
-    ``budget`` <= 3 makes the whole tree one."""
+    ``budget`` <= 3 makes the whole tree one. ``run_sizes``: the off-chain nodes per run of
+    the kernel's programs to check (each size a whole interpreted run: the sizes go with one
+    case, the dtypes and norms with the others)."""
     from ddtree.kernels.gdn_tree import tree_gdn_fused, tree_runs
 
     gen = torch.Generator().manual_seed(seed)
@@ -45,7 +52,7 @@ def check(
     state = rand(batch, heads_v, dim_v, dim_k) * 0.5
     inputs = [t.to(dtype) for t in (q, k, v, g, beta)]
     want, _ = tree_gdn(*inputs, state, trees.parents, use_qk_l2norm=l2norm)
-    for run_nodes in (1, 3, 8):  # runs of off-chain nodes sharing one walk of the chain
+    for run_nodes in run_sizes:  # runs of off-chain nodes sharing one walk of the chain
         runs = tree_runs(trees.ancestors, trees.depths, run_nodes)
         got = tree_gdn_fused(
             *inputs, state, trees.ancestors, trees.depths, use_qk_l2norm=l2norm, block_v=16,
@@ -257,10 +264,9 @@ def check_conv(dtype: torch.dtype, seed: int) -> None:
 if __name__ == "__main__":
     check_conv(torch.float32, 0)
     check_conv(torch.bfloat16, 1)
-    for seed, (dtype, l2norm) in enumerate(
-        [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)]
-    ):
-        check(dtype, l2norm, seed)
+    check(torch.float32, True, 0, run_sizes=(1, 3, 8))
+    check(torch.float32, False, 1)
+    check(torch.bfloat16, True, 2)
     check(torch.float32, True, 3, chain_seed=True)
     check(torch.bfloat16, True, 4, chain_seed=True, budget=3)  # a chain-sized tree
     check_leading_chains()
