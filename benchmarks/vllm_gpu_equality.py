@@ -62,8 +62,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreetorch:
 # DDTREE_TREE_KERNELS=torch (the tree build, walk and KV compaction in torch ops instead of the
 # default Triton kernels); ddtreesched: ddtree_budget_per_batch_size (B at 1-2 requests, 15
-# from 3); ddtreedefault: no ddtree_budget_per_batch_size (the V2 runner's default schedule:
-# each verify within a full graph; every other ddtree case sets "fixed"); ddtreeauto:
+# from 3); ddtreedefault: no ddtree_budget_per_batch_size (the V2 runner's default on one
+# GPU: "auto", tuned every 64 steps; every other ddtree case sets "fixed"); ddtreeauto:
 # ddtree_budget_per_batch_size "auto" with DDTREE_TUNE_EVERY=4 (the
 # budgets change under the requests). max_model_len is 1024, or 4 x the budget where that is
 # more.

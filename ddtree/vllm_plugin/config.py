@@ -323,29 +323,55 @@ def uses_v2_runner() -> bool:
     return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("0", "false")
 
 
-def apply_default_schedule(spec, options: DDTreeOptions, compilation, hybrid: bool) -> None:
-    """On the V2 runner with no ``ddtree_budget_per_batch_size``: the schedule of
-    ``tuner.default_schedule`` (per request bucket the widest tree whose verify fits a full
-    CUDA graph) on vLLM's ``SpeculativeConfig`` ``spec`` (read by its scheduler and the
-    runner's graph manager, in every process) and on ``options``. ``"fixed"`` keeps B at
+def apply_default_schedule(
+    spec, options: DDTreeOptions, compilation, hybrid: bool, parallel=None
+) -> None:
+    """On the V2 runner with no ``ddtree_budget_per_batch_size``, on vLLM's built
+    ``SpeculativeConfig`` ``spec`` (read by its scheduler and the runner's graph manager, in
+    every process) and on ``options``: ``"auto"`` (budgets per batch size chosen by throughput
+    while serving, ``tuner.py``) when the engine's one worker shares the scheduler's process
+    (``parallel``: ``distributed_executor_backend`` "uni", world size 1, i.e. one GPU), which
+    "auto" needs; otherwise (several workers) the schedule of ``tuner.default_schedule``: per
+    request bucket the widest tree whose verify fits a full CUDA graph. ``"fixed"`` keeps B at
     every batch size; hybrid targets keep it too (their tree state under a schedule is not
-    measured on a GPU yet)."""
+    measured on a GPU yet), and so does a budget within the chain (nothing to choose)."""
     from ddtree.vllm_plugin.tuner import default_schedule
 
     if options.budget_schedule or options.auto_budget or options.fixed_budget or hybrid:
         return
+    depth = draft_depth(spec)
+    if options.budget <= depth:
+        return
+    one_worker = (
+        parallel is not None
+        and parallel.distributed_executor_backend == "uni"
+        and parallel.world_size == 1
+    )
+    if one_worker:  # as parse_options sets "auto" up; the tuner writes the schedule
+        spec.num_speculative_tokens_per_batch_size = [[1, 1, options.budget]]
+        options.auto_budget = True
+        options.max_verify_tokens = None
+        log.info(
+            'ddtree: budgets per batch size chosen by throughput while serving ("auto", up to '
+            '%d; ddtree_budget_per_batch_size "fixed" verifies %d at every size)',
+            options.budget,
+            options.budget,
+        )
+        return
     graph_tokens = getattr(compilation, "max_cudagraph_capture_size", None)
-    schedule = default_schedule(options.budget, draft_depth(spec), graph_tokens)
+    schedule = default_schedule(options.budget, depth, graph_tokens)
     if schedule is None:
         return
     spec.num_speculative_tokens_per_batch_size = schedule
     options.budget_schedule = tuple(tuple(r) for r in schedule)
+    workers = "none" if parallel is None else parallel.world_size
     log.info(
         "ddtree: budgets per batch size %s (each verify within a full CUDA graph; "
-        'ddtree_budget_per_batch_size "fixed" verifies %d at every size, "auto" chooses by '
-        "throughput)",
+        '"auto", which chooses by throughput, needs one worker: %s here; '
+        'ddtree_budget_per_batch_size "fixed" verifies %d at every size)',
         ", ".join(f"{a}-{b}: {k}" for a, b, k in schedule[:-1])
         + f", {schedule[-1][0]}+: {schedule[-1][2]}",
+        workers,
         options.budget,
     )
 
