@@ -255,6 +255,11 @@ collect)
     m=$(basename "$d")
     if [ ! -f "/tmp/res/$m.done" ]; then  # what it wrote so far comes back too
       tar czf "$OUT/$m.partial.tgz" -C /tmp/res "$m" "$m.log"
+      # a bench writes its tables at its end: its engine logs as they stand (rows of a cut
+      # run: python benchmarks/bench_partial.py DIR)
+      latest=$(ls -dt /tmp/bench_* 2>/dev/null | head -1)
+      [ -n "$latest" ] && tar czf "$OUT/$m.bench_partial.tgz" -C /tmp --exclude=models \
+        "$(basename "$latest")"
       echo "== $m: running"; tail -5 "/tmp/res/$m.log"; continue
     fi
     tar czf "$OUT/$m.tgz" -C /tmp/res "$m" "$m.log"

@@ -819,3 +819,49 @@ def test_auto_engines_start_once_the_others_are_warm(tmp_path, monkeypatch):
     assert [name for name, _ in launched] == ["dflash", "ddtree-15", "ddtree-a63"]
     assert launched[2][1] == ["ddtree-15.ready", "dflash.ready"]
     assert launched[0][1] == launched[1][1] == []
+
+
+def test_a_cut_off_run_is_read_back_from_its_engine_logs(tmp_path):
+    """`benchmarks/bench_partial.py`: the result lines of each engine log, the step periods
+    of their windows, the chain's ratio; a log without result lines adds nothing."""
+    import subprocess
+    import sys
+
+    def line(engine, tps, window):
+        point = {"concurrency": 4, "temperature": 0.0, "requests": 16, "prompts": 16}
+        row = {"engine": engine, **point, "tokens_per_s": tps, "tau": 2.0, "window": window}
+        return json.dumps({**row, "max_tokens": 8})
+
+    (tmp_path / "ddtree-15.log").write_text(
+        "\n".join(
+            [
+                "INFO noise",
+                'WARNING ddtree-steps {"t":[10.0,10.004,10.01],"k":"vm"}',
+                line("ddtree-15", 150.0, [9.0, 11.0]),
+            ]
+        )
+        + "\n"  # fmt: skip
+    )
+    (tmp_path / "dflash.log").write_text(line("dflash", 100.0, [20.0, 21.0]) + "\n")
+    (tmp_path / "ddtree-a255.log").write_text("started, no measurement yet\n")
+    runs, engines = report.rows_from_logs(tmp_path)
+    assert engines == ["dflash", "ddtree-15"]
+    assert [r["engine"] for r in runs] == ["ddtree-15", "dflash"]
+    assert runs[0]["step_periods"] == {
+        "verify": {"steps": 1, "ms": 4.0},
+        "mixed": {"steps": 1, "ms": 6.0},
+    }
+    assert "window" not in runs[1] and "step_periods" not in runs[1]
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_partial.py"
+    rows_file = tmp_path / "rows.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--rows", str(rows_file)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| ddtree-15 | 150 (2.00) x1.50 |" in done.stdout
+    assert len(rows_file.read_text().splitlines()) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True)
+    assert failed.returncode == 1

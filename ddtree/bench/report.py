@@ -334,6 +334,33 @@ def step_period_table(rows: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
+def rows_from_logs(out: Path) -> tuple[list[dict], list[str]]:
+    """A cut-off ``ddtree bench`` run (its tables are written at its end; seen when the device
+    time ran out): the result line each engine worker printed per measurement in
+    ``out/<engine>.log``, with the step periods of its window where the step log is on, and
+    the engines (no-spec and the chain first). Feed the rows to :func:`aggregate` /
+    :func:`summary_markdown`."""
+    runs, engines = [], []
+    for log in sorted(out.glob("*.log")):
+        text = log.read_text(errors="replace")
+        try:
+            steps = parse_steps_log(text)
+        except ValueError:
+            steps = []
+        for line in text.splitlines():
+            if not line.startswith('{"engine"'):
+                continue
+            row = json.loads(line)
+            window = row.pop("window", None)
+            if steps and window:
+                row["step_periods"] = step_periods(steps, *window)
+            runs.append(row)
+            if row["engine"] not in engines:
+                engines.append(row["engine"])
+    references = [e for e in (NO_SPEC, CHAIN) if e in engines]
+    return runs, references + [e for e in engines if e not in references]
+
+
 def sum_acceptance(reports: list[dict]) -> dict:
     """``{"rows", "accepted"}`` summed over acceptance reports (or rows' ``acceptance``)."""
     return {
