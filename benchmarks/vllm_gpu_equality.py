@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "pair_ddtreesched_255",
     "pair_ddtreeauto_255",
     "pair_ddtreedefault_255",
+    "pair_ddtreesync_15",
     "pair_ddtreesync_64",
     "pair_ddtreev1_64",
     "random_nospec",
@@ -59,14 +61,14 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
 # ddtreetriton: with attention_backend TRITON_ATTN (the backend of GPUs without FA3);
 # ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
-# code; the log lists every sync it made); ddtreev1: the V1 runner fallback; ddtreetorch:
-# DDTREE_TREE_KERNELS=torch (the tree build, walk and KV compaction in torch ops instead of the
-# default Triton kernels); ddtreesched: ddtree_budget_per_batch_size (B at 1-2 requests, 15
-# from 3); ddtreedefault: no ddtree_budget_per_batch_size (the V2 runner's default on one
-# GPU: "auto", tuned every 64 steps; every other ddtree case sets "fixed"); ddtreeauto:
-# ddtree_budget_per_batch_size "auto" with DDTREE_TUNE_EVERY=4 (the
-# budgets change under the requests). max_model_len is 1024, or 4 x the budget where that is
-# more.
+# code, eager and V2 alike; the log lists every sync it made; B=15: the chain-sized steps that
+# go to vLLM's rejection sampler, B=64: the walk); ddtreev1: the V1 runner fallback;
+# ddtreetorch: DDTREE_TREE_KERNELS=torch (the tree build, walk and KV compaction in torch ops
+# instead of the default Triton kernels); ddtreesched: ddtree_budget_per_batch_size (B at 1-2
+# requests, 15 from 3); ddtreedefault: no ddtree_budget_per_batch_size (the V2 runner's default
+# on one GPU: "auto", tuned every 64 steps; every other ddtree case sets "fixed"); ddtreeauto:
+# ddtree_budget_per_batch_size "auto" with DDTREE_TUNE_EVERY=4 (the budgets change under the
+# requests). max_model_len is 1024, or 4 x the budget where that is more.
 # (VLLM_USE_V2_MODEL_RUNNER=0: piecewise graphs, synchronous scheduling).
 # pairopts: the pair with per-request options the V2 runner serves (one set per request),
 # compared with no-spec under the same options, logprobs included (the check behind serving
@@ -417,6 +419,9 @@ def drive(out: Path, site: Path | None, dtype: str, cases: list[str], jobs: int)
             row["tau"] = round(1 + accepted / drafts, 3) if drafts else None
         log = (out / f"{name}.log").read_text(errors="replace")
         row["sync_warnings"] = log.count("called a synchronizing CUDA operation")
+        if row["sync_warnings"]:  # where (a warning names its Python caller's file:line)
+            sites = re.findall(r"(\S+\.py:\d+): UserWarning: called a synchronizing", log)
+            row["sync_sites"] = sorted(set(sites))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "spec_metrics"}))
     summary = {"exit_codes": codes, "rows": rows}

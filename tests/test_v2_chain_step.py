@@ -386,3 +386,24 @@ def test_chain_sized_buckets_draft_the_argmax_chain_without_a_tree_build():
         assert torch.equal(spec.draft_nodes[:num_reqs], torch.where(nodes >= 0, nodes, 0))
         if k <= depth:
             assert tables.tokens[5, 2].item() == 3
+
+
+def test_v2_per_step_code_is_sync_checked():
+    """DDTREE_SYNC_DEBUG (the equality suite's ``ddtreesync`` cases) covers every piece of
+    DDTree's own per-step code on the V2 runner that runs outside a CUDA graph: a host sync
+    there would serialize async scheduling's host and GPU work."""
+    from ddtree.vllm_plugin.v2 import prepare
+    from ddtree.vllm_plugin.v2.engine import TreeEngine
+    from ddtree.vllm_plugin.v2.sampler import TreeSampler
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    speculator = make_speculator_class(object)
+    for fn in (
+        prepare.begin_step,
+        prepare.prepare_step,
+        TreeEngine.attend,
+        TreeSampler._walk,
+        TreeSampler._chain_stats,
+        speculator._accepted_path_first,
+    ):
+        assert getattr(fn, "__wrapped__", None) is not None, fn.__qualname__

@@ -17,7 +17,7 @@ from ddtree.tree import DraftTree
 from ddtree.vllm_plugin import attention, graphs
 from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 from ddtree.vllm_plugin.config import DDTreeOptions, Settings
-from ddtree.vllm_plugin.debug import AcceptanceLog
+from ddtree.vllm_plugin.debug import AcceptanceLog, sync_checked
 from ddtree.vllm_plugin.state import LayerBinding
 
 # Attention implementations whose cache layout (logical [blocks, kv heads, block, 2 x head])
@@ -181,6 +181,7 @@ class TreeEngine:
             return 0
         return 1 + min(self.depth, max_query_len - 1)
 
+    @sync_checked
     def attend(self, impl, original, query, key, value, kv_cache, attn_metadata, output, group):
         """The attention hook of a bound target layer: the backend's pass where it is needed,
         then the tree rows (in a capture: the decode graphs, every request a tree).

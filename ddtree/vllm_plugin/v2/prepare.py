@@ -4,6 +4,7 @@ their depth positions (after vLLM computed the KV slots from sequential position
 from __future__ import annotations
 
 from ddtree.vllm_plugin import config, graphs, tuner
+from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine
 
@@ -59,6 +60,7 @@ def check_settings(vllm_config) -> None:
         raise ValueError("DDTREE_TREE_ATTENTION=merge runs on the V1 model runner only")
 
 
+@sync_checked
 def begin_step(engine: TreeEngine, scheduler_output, dummy_run: bool) -> None:
     """Clear the step's flags; note whether every request verifies a tree (only then may a
     uniform batch replay a verify graph) and whether every tree is its forced chain."""
@@ -74,6 +76,7 @@ def begin_step(engine: TreeEngine, scheduler_output, dummy_run: bool) -> None:
     engine.chain_trees = engine.options.chain_seed and longest <= engine.depth
 
 
+@sync_checked
 def prepare_step(engine: TreeEngine, input_batch) -> None:
     """``tree_rows`` and depth positions of this step's tree requests, on the device."""
     counts = input_batch.num_draft_tokens_per_req  # host: drafts scheduled per request

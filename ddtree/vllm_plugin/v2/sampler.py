@@ -22,7 +22,7 @@ import torch
 
 from ddtree.verify import walk
 from ddtree.vllm_plugin import graphs
-from ddtree.vllm_plugin.debug import AcceptanceLog
+from ddtree.vllm_plugin.debug import AcceptanceLog, sync_checked
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.bad_words import apply_tree_bad_words
 from ddtree.vllm_plugin.v2.engine import TreeEngine
@@ -60,8 +60,6 @@ class TreeSampler:
             )
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
-        from vllm.v1.worker.gpu.sample.output import SamplerOutput
-
         if self.engine.chain_step():
             return self._chain_step(logits, input_batch)
         rows = input_batch.logits_indices
@@ -75,6 +73,14 @@ class TreeSampler:
             input_batch.expanded_local_pos,
             return_logprobs=return_logprobs,
         )
+        return self._walk(target, processed, logits, input_batch, return_logprobs)
+
+    @sync_checked
+    def _walk(self, target, processed, logits, input_batch, return_logprobs: bool):
+        """After vLLM's sampler drew ``target`` (a token per tree node): the walk, the KV
+        commit and vLLM's output layout."""
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
         num_reqs = input_batch.num_reqs
         # The tail's inputs, requests padded to a bucket (shapes repeat), in one launch into
         # the bucket's own buffers, which its graph reads in place. A chunk of a prefill that
@@ -108,6 +114,12 @@ class TreeSampler:
         """The chain's verify by vLLM's rejection sampler (the drafts are the forced chain,
         one-hot: ``draft_logits`` None); the tuner and acceptance sums fed as a walk would."""
         output = self.chain_sampler(logits, input_batch, None)
+        self._chain_stats(output, input_batch)
+        return output
+
+    @sync_checked
+    def _chain_stats(self, output, input_batch) -> None:
+        """The tuner's and DDTREE_ACCEPTANCE's sums after a chain-sized step."""
         engine = self.engine
         engine.walked = False  # the accepted rows are in place: nothing to reorder
         for stats in (engine.acceptance, engine.tuner):
@@ -117,7 +129,6 @@ class TreeSampler:
                     output.num_sampled, input_batch.cu_num_logits, curve.rows, curve.accepted
                 )
                 stats.step()
-        return output
 
     def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The tail's inputs for a bucket of ``rows`` requests (made once per bucket):

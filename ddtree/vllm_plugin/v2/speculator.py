@@ -15,6 +15,7 @@ import torch
 
 from ddtree.tree import chain_tree, draft_topk, tree_from_ranked
 from ddtree.vllm_plugin import config, graphs
+from ddtree.vllm_plugin.debug import sync_checked
 from ddtree.vllm_plugin.v2 import kernels
 from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
 
@@ -185,6 +186,7 @@ def make_speculator_class(base):
             )
             return self.draft_nodes[: input_batch.num_reqs]
 
+        @sync_checked
         def _accepted_path_first(self, input_batch, hidden_states: list[torch.Tensor]) -> None:
             """Rows ``start + k`` of each verified request := rows ``start + path[k]`` (k <=
             accepted) in the drafter's inputs; its positions back to sequential."""
