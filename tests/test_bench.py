@@ -855,12 +855,14 @@ def test_a_cut_off_run_is_read_back_from_its_engine_logs(tmp_path):
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_partial.py"
     rows_file = tmp_path / "rows.jsonl"
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "--rows", str(rows_file)],
+        [sys.executable, str(script), str(tmp_path), "--rows", str(rows_file), "--plot",
+         str(tmp_path / "bench.png")],
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "| ddtree-15 | 150 (2.00) x1.50 |" in done.stdout
     assert len(rows_file.read_text().splitlines()) == 2
+    assert (tmp_path / "bench.png").stat().st_size > 0
     empty = tmp_path / "empty"
     empty.mkdir()
     failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True)
