@@ -160,9 +160,10 @@ class StepPeriods:
 
     @staticmethod
     def kind(scheduler_output) -> str:
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        have = [bool(drafts.get(r)) for r in scheduler_output.num_scheduled_tokens]
-        return "v" if all(have) else ("m" if any(have) else "p")
+        from ddtree.vllm_plugin.tuner import scheduled_drafts
+
+        _, uniform, longest = scheduled_drafts(scheduler_output)
+        return "v" if uniform else ("m" if longest else "p")
 
     def record(self, scheduler_output) -> None:
         if not scheduler_output.total_num_scheduled_tokens:

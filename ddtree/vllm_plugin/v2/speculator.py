@@ -129,9 +129,8 @@ def make_speculator_class(base):
                     from ddtree.vllm_plugin.tuner import widest_budget
 
                     budget = widest_budget(budget, self.engine.depth, size, self._graph_tokens)
-                elif options.budget_schedule:
-                    sizes = range(size // 2 + 1, size + 1)
-                    budget = max(options.scheduled_budget(n) for n in sizes)
+                elif options.budget_schedule:  # the bucket's largest, as the V1 runner's
+                    budget = options.step_budget(size, self.engine.depth)
                 self.tree_budgets[num_reqs] = budget
             return budget
 
