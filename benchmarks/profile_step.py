@@ -200,6 +200,13 @@ def host_profile(llm, prompts, params, steps, path: Path) -> None:
     for order in ("tottime", "cumulative"):
         text.write(f"\n--- by {order} (seconds over {num_steps} steps) ---\n")
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    # What DDTree adds sits below vLLM's entry points (the drafter's propose, the sampler):
+    # every ddtree function, and what the speculator's and sampler's entry points call.
+    text.write(f"\n--- ddtree functions, cumulative (seconds over {num_steps} steps) ---\n")
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    stats.print_stats(r"ddtree/")
+    text.write("\n--- callees of the drafter's and the sampler's entry points ---\n")
+    stats.print_callees(r"speculator.py.*\(propose\)|sampler.py.*\(__call__\)|_chain_step")
     path.write_text(text.getvalue())
     print(text.getvalue().splitlines()[0])
 

@@ -451,6 +451,29 @@ def test_v2_default_on_one_gpu_is_auto():
     assert lookup is None and not options.auto_budget  # the chain: nothing to choose
 
 
+def test_auto_widens_the_graph_capture():
+    """ "auto" raises vLLM's full-graph limit (512 tokens) to what its widest trees need, up to
+    2048, only where the user set no capture size; other budget settings keep vLLM's."""
+    from types import SimpleNamespace
+
+    from ddtree.vllm_plugin.config import widen_graph_capture
+
+    def capture(auto=True, budget=255, max_num_seqs=None, size=None, sizes=None):
+        compilation = SimpleNamespace(
+            max_cudagraph_capture_size=size, cudagraph_capture_sizes=sizes
+        )
+        args = SimpleNamespace(compilation_config=compilation, max_num_seqs=max_num_seqs)
+        widen_graph_capture(args, SimpleNamespace(auto_budget=auto, budget=budget))
+        return compilation.max_cudagraph_capture_size
+
+    assert capture() == 2048
+    assert capture(max_num_seqs=4) == 1024  # 4 x (1 + 255)
+    assert capture(max_num_seqs=1) is None  # 1 x 256: vLLM's 512 already holds it
+    assert capture(budget=31, max_num_seqs=8) is None  # 8 x 32 x 2 = 512: vLLM's own
+    assert capture(auto=False) is None
+    assert capture(size=256) == 256 and capture(sizes=[1, 2, 4]) is None
+
+
 def test_hybrid_targets_refused_on_cudas_v1_runner_and_with_prefix_caching(monkeypatch):
     """Hybrid (Gated DeltaNet) targets: the CPU build or CUDA's V2 runner, prefix caching off;
     dense targets pass."""

@@ -376,6 +376,38 @@ def apply_default_schedule(
     )
 
 
+AUTO_GRAPH_TOKENS = 2048  # the full-graph limit "auto" raises vLLM's default (512) to
+
+
+def widen_graph_capture(args, options: DDTreeOptions) -> None:
+    """With ``"auto"`` budgets and no capture size given (``max_cudagraph_capture_size`` and
+    ``cudagraph_capture_sizes`` unset), full CUDA graphs up to ``AUTO_GRAPH_TOKENS`` verify
+    tokens (or the most that ``max_num_seqs`` requests of 1 + B tokens need, never below
+    vLLM's own default) instead of vLLM's 512: the tuner builds only trees whose verify
+    replays a full graph, so at 512 a bucket of 32 requests is held to the chain (x0.98 of the
+    chain at c=32 on an H100) while 2048 lets it verify 31-63 (x1.17, H100, 2026-12-06).
+    vLLM still clips the limit to ``max_num_batched_tokens``."""
+    compilation = args.compilation_config
+    if not options.auto_budget:
+        return
+    if compilation.max_cudagraph_capture_size is not None:
+        return
+    if compilation.cudagraph_capture_sizes is not None:
+        return
+    seqs = args.max_num_seqs or AUTO_GRAPH_TOKENS  # None: vLLM's default (256 or more)
+    vllm_default = min(seqs * (1 + options.budget) * 2, 512)
+    tokens = max(vllm_default, min(seqs * (1 + options.budget), AUTO_GRAPH_TOKENS))
+    if tokens <= vllm_default:
+        return
+    compilation.max_cudagraph_capture_size = tokens
+    log.info(
+        'ddtree: CUDA graphs up to %d tokens (vLLM: 512), so that "auto" can verify wider '
+        "trees at larger batches in full graphs; set compilation_config "
+        "max_cudagraph_capture_size to choose",
+        tokens,
+    )
+
+
 def check_platform(settings: Settings) -> None:
     """Refuse platforms and settings the tree path is not wired for."""
     from vllm.platforms import current_platform

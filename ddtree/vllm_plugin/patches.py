@@ -90,6 +90,7 @@ def _patch_config() -> None:
             config.apply_default_schedule(
                 result, options, self.compilation_config, hybrid, target_parallel_config
             )
+            config.widen_graph_capture(self, options)
         result.ddtree = options  # a plain attribute: it travels with the pickled config
         return result
 
