@@ -2,6 +2,8 @@
 # Every GPU run of the project on one H200, after the gpu-kit install (README "GPU runs").
 #   bash benchmarks/h200.sh check    # all GPU tests beside the greedy equality suite (9-17.5
 #                                    # min in turn on H100s, 2026-12-06: detach it)
+#   bash benchmarks/h200.sh accuracy # the V2 soak (DDTree, chain vs no-spec), check and numerics
+#                                    # side by side (~14 min: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
@@ -77,6 +79,19 @@ check)
   equality 900  # 36 engines, at most 12 starting at once
   wait
   cat "$OUT/gpu_tests_tail.txt"
+  ;;
+accuracy)  # issue 19's correctness runs side by side (no timings among them, ~14 min): the
+  # soak on the V2 runner (DDTree and vLLM's chain, each against no-spec; SOAK_SECONDS, 600),
+  # started first so that its four servers claim their memory before the check's engines start,
+  # then the check and the per-token logit numerics
+  mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
+  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash}" bash benchmarks/h200_soak.sh \
+    "${SOAK_SECONDS:-600}" > "$OUT/soak.log" 2>&1 &
+  sleep 90
+  OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 &
+  OUT=$OUT/check bash benchmarks/h200.sh check > "$OUT/check.log" 2>&1
+  wait
+  tail -n 8 "$OUT/check.log" "$OUT/numerics.log" "$OUT/soak.log"
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)
   numerics
@@ -270,7 +285,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|smoke|numerics|bench|bench8b|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|accuracy|smoke|numerics|bench|bench8b|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac
