@@ -452,17 +452,24 @@ def test_v2_default_on_one_gpu_is_auto():
 
 
 def test_auto_widens_the_graph_capture():
-    """ "auto" raises vLLM's full-graph limit (512 tokens) to what its widest trees need, up to
-    2048, only where the user set no capture size; other budget settings keep vLLM's."""
+    """With "auto", vLLM's full-graph limit (512 tokens) is raised to what its widest trees
+    need, up to 2048, only where the user set no capture size and graphs are on; other budget
+    settings keep vLLM's."""
     from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
 
     from ddtree.vllm_plugin.config import widen_graph_capture
 
-    def capture(auto=True, budget=255, max_num_seqs=None, size=None, sizes=None):
+    def capture(
+        auto=True, budget=255, max_num_seqs=None, size=None, sizes=None, eager=False, mode=None
+    ):
         compilation = SimpleNamespace(
-            max_cudagraph_capture_size=size, cudagraph_capture_sizes=sizes
+            max_cudagraph_capture_size=size, cudagraph_capture_sizes=sizes, cudagraph_mode=mode
         )
-        args = SimpleNamespace(compilation_config=compilation, max_num_seqs=max_num_seqs)
+        args = SimpleNamespace(
+            compilation_config=compilation, max_num_seqs=max_num_seqs, enforce_eager=eager
+        )
         widen_graph_capture(args, SimpleNamespace(auto_budget=auto, budget=budget))
         return compilation.max_cudagraph_capture_size
 
@@ -472,6 +479,8 @@ def test_auto_widens_the_graph_capture():
     assert capture(budget=31, max_num_seqs=8) is None  # 8 x 32 x 2 = 512: vLLM's own
     assert capture(auto=False) is None
     assert capture(size=256) == 256 and capture(sizes=[1, 2, 4]) is None
+    assert capture(eager=True) is None and capture(mode=CUDAGraphMode.NONE) is None
+    assert capture(mode=CUDAGraphMode.FULL_AND_PIECEWISE) == 2048
 
 
 def test_hybrid_targets_refused_on_cudas_v1_runner_and_with_prefix_caching(monkeypatch):

@@ -387,8 +387,12 @@ def widen_graph_capture(args, options: DDTreeOptions) -> None:
     replays a full graph, so at 512 a bucket of 32 requests is held to the chain (x0.98 of the
     chain at c=32 on an H100) while 2048 lets it verify 31-63 (x1.17, H100, 2026-12-06).
     vLLM still clips the limit to ``max_num_batched_tokens``."""
+    from vllm.config.compilation import CUDAGraphMode
+
     compilation = args.compilation_config
-    if not options.auto_budget:
+    if not options.auto_budget or args.enforce_eager:
+        return
+    if compilation.cudagraph_mode == CUDAGraphMode.NONE:
         return
     if compilation.max_cudagraph_capture_size is not None:
         return
