@@ -104,7 +104,9 @@ def fused_row(logits, target, budget: int, repeats: int) -> dict:
     from ddtree.tree import tree_from_ranked
 
     batch, depth, vocab = logits.shape
-    buffers = kernels.tree_buffers(batch, depth, vocab, budget, logits.device)
+    # As the V2 engine holds them: ancestors and packed bits, no bool [b, 1+B, 1+B] mask.
+    buffers = kernels.tree_buffers(batch, depth, vocab, budget, logits.device, with_mask=False)
+    masked = kernels.tree_buffers(batch, depth, vocab, budget, logits.device)
     acc = kernels.acceptance_buffers(batch, depth, budget + 1, logits.device)
     ranked = (buffers.logprobs, buffers.token_ids)
 
@@ -118,8 +120,13 @@ def fused_row(logits, target, budget: int, repeats: int) -> dict:
     def tree_stage():
         kernels.tree_from_ranked_fused(*ranked, budget, chain_seed=True, buffers=buffers)
 
+    def build_walk_masked():
+        tree = kernels.build_tree_fused(logits, budget, chain_seed=True, buffers=masked)
+        return kernels.walk_fused(tree, target, out=acc)
+
     row = {
         "fused_build_walk_graph_ms": 1e3 * graph_time(build_walk, repeats),
+        "fused_build_walk_with_mask_graph_ms": 1e3 * graph_time(build_walk_masked, repeats),
         "fused_build_walk_eager_ms": 1e3 * timed(build_walk, "cuda", repeats),
         "fused_vocab_stage_graph_ms": 1e3 * graph_time(vocab_stage, repeats),
         "fused_tree_stage_graph_ms": 1e3 * graph_time(tree_stage, repeats),
@@ -128,10 +135,13 @@ def fused_row(logits, target, budget: int, repeats: int) -> dict:
     }
     row["fused_kernels_us"] = kernel_split(build_walk, repeats)
     build_walk()
+    build_walk_masked()
     ref = tree_from_ranked(*ranked, budget, chain_seed=True)
-    fields = ("tokens", "parents", "depths", "mask", "scores", "ancestors", "num_nodes")
-    row["fused_equals_torch_tree"] = all(
-        torch.equal(getattr(buffers.tree, f), getattr(ref, f)) for f in fields
+    fields = ("tokens", "parents", "depths", "scores", "ancestors", "num_nodes")
+    row["fused_equals_torch_tree"] = (
+        all(torch.equal(getattr(buffers.tree, f), getattr(ref, f)) for f in fields)
+        and torch.equal(buffers.tree.ancestor_bits, kernels.pack_ancestor_bits(ref.mask))
+        and torch.equal(masked.tree.mask, ref.mask)
     )
     return row
 
@@ -227,6 +237,7 @@ def table(rows: list[dict]) -> str:
             "build_walk_eager_ms",
             "vocab_stage_eager_ms",
             "fused_build_walk_graph_ms",
+            "fused_build_walk_with_mask_graph_ms",
             "fused_build_walk_eager_ms",
             "fused_vocab_stage_graph_ms",
             "fused_tree_stage_graph_ms",

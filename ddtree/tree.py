@@ -51,7 +51,9 @@ class DraftTree:
     tokens: torch.Tensor  # long [b, N]: draft token per node; -1 at the root and padding
     parents: torch.Tensor  # long [b, N]: parent slot, -1 for the root and padding
     depths: torch.Tensor  # long [b, N]: 0 for root and padding, 1..D for nodes
-    mask: torch.Tensor  # bool [b, N, N]: row i is true at i and its ancestors
+    # bool [b, N, N]: row i is true at i and its ancestors (None from ddtree.kernels built
+    # without it: ancestors and ancestor_bits say the same)
+    mask: torch.Tensor | None
     scores: torch.Tensor  # float32 [b, N]: sum of draft logprobs (0 root, -inf padding)
     ancestors: torch.Tensor  # long [b, N, D+1]: k-th ancestor of each slot, saturating at 0
     num_nodes: torch.Tensor  # long [b]: real (non-root, non-padding) nodes

@@ -79,6 +79,15 @@ def check_tree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int, chain_see
     for name in TREE_FIELDS:
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert torch.equal(got.ancestor_bits, kernels.pack_ancestor_bits(ref.mask))
+    # Without the bool mask (as the V2 engine builds): the same ancestors and bits.
+    bare = kernels.tree_buffers(
+        batch, depth, k, budget, logprobs.device, with_vocab_stage=False, with_mask=False
+    )
+    poison_(bare.tree.ancestors, bare.tree.ancestor_bits)
+    kernels.tree_from_ranked_fused(logprobs, ids, budget, chain_seed=chain_seed, buffers=bare)
+    assert bare.tree.mask is None
+    assert torch.equal(bare.tree.ancestors, ref.ancestors)
+    assert torch.equal(bare.tree.ancestor_bits, got.ancestor_bits)
 
 
 def check_build_vs_reference(logits: torch.Tensor, budget: int, chain_seed: bool):

@@ -1,9 +1,11 @@
-"""Ancestors, packed ancestor bits and the bool mask of a tree in one Triton launch; torch
-reference: :func:`ddtree.tree._ancestry` (plus :func:`pack_ancestor_bits` for the bits).
+"""Ancestors, packed ancestor bits and (optionally) the bool mask of a tree in one Triton launch;
+torch reference: :func:`ddtree.tree._ancestry` (plus :func:`pack_ancestor_bits` for the bits).
 
 One program per (request, block of ``ROWS`` slots): ``D`` rounds of pointer jumping through
 ``parents`` give each slot's k-th ancestors (saturating at the root; the root and padding point at
-themselves), OR-ed into 32-bit words; the bool mask rows are expanded from the words.
+themselves), OR-ed into 32-bit words; the bool mask rows are expanded from the words. The mask is
+``(1 + B)^2`` bytes per request (1 MiB at B=1024, ~80% of what the launch writes): readers of
+the ancestors or the bits (the V2 engine) leave it out.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _ancestry_kernel(
     parents_ptr, ancestors_ptr, bits_ptr, mask_ptr, n_slots, depth, n_words,
-    ROWS: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr,
+    ROWS: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr, MASK: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     slot = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -52,6 +54,8 @@ def _ancestry_kernel(
         bits,
         mask=ok[:, None] & (word[None, :] < n_words),
     )
+    if not MASK:
+        return
     # Mask rows, GROUP words (32 * GROUP columns) at a time; the words are picked by a masked
     # sum rather than a gather along dim 1 (which Triton 3.6 fails to compile for sm_90).
     group = tl.arange(0, GROUP)
@@ -77,14 +81,16 @@ def ancestry(
     depth: int,
     ancestors: torch.Tensor,
     bits: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
 ) -> None:
-    """Fill ``ancestors`` long ``[b, N, D+1]``, ``bits`` int32 ``[b, N, ceil(N/32)]`` and ``mask``
-    bool ``[b, N, N]`` (all contiguous) from ``parents`` long ``[b, N]``."""
+    """Fill ``ancestors`` long ``[b, N, D+1]``, ``bits`` int32 ``[b, N, ceil(N/32)]`` and, unless
+    None, ``mask`` bool ``[b, N, N]`` (all contiguous) from ``parents`` long ``[b, N]``."""
     batch, n_slots = parents.shape
     n_words = -(-n_slots // 32)
     rows = rows_per_program(n_slots)
+    mask_out = bits if mask is None else mask.view(torch.uint8)  # not written without MASK
     _ancestry_kernel[(batch, triton.cdiv(n_slots, rows))](
-        parents, ancestors, bits, mask.view(torch.uint8), n_slots, depth, n_words,
-        ROWS=rows, WP=next_pow2(n_words), GROUP=min(4, next_pow2(n_words)), num_warps=4,
+        parents, ancestors, bits, mask_out, n_slots, depth, n_words,
+        ROWS=rows, WP=next_pow2(n_words), GROUP=min(4, next_pow2(n_words)),
+        MASK=mask is not None, num_warps=4,
     )  # fmt: skip

@@ -48,7 +48,7 @@ def check_device(*tensors: torch.Tensor) -> None:
 class TreeBuffers:
     """Outputs and scratch of :func:`build_tree_fused` for one (batch, depth, vocab, budget)."""
 
-    tree: DraftTree  # the outputs, ancestor_bits included
+    tree: DraftTree  # the outputs, ancestor_bits included (mask None without with_mask)
     logprobs: torch.Tensor  # float32 [b, D, k]: the vocabulary stage's ranked log-probs
     token_ids: torch.Tensor  # long [b, D, k]
     vocab: VocabWorkspace | None  # the vocabulary stage's scratch (None: ranked inputs only)
@@ -66,7 +66,10 @@ def tree_buffers(
     device: torch.device | str,
     *,
     with_vocab_stage: bool = True,
+    with_mask: bool = True,
 ) -> TreeBuffers:
+    """Preallocated outputs and scratch; ``with_mask=False``: no bool ``[b, 1+B, 1+B]`` mask
+    (``tree.mask`` None), for readers of the ancestors or the packed bits."""
     k = min(budget, vocab)
     n_slots = budget + 1
     beam = sort_size(budget)
@@ -78,7 +81,7 @@ def tree_buffers(
         tokens=empty(batch, n_slots),
         parents=empty(batch, n_slots),
         depths=empty(batch, n_slots),
-        mask=empty(batch, n_slots, n_slots, dtype=torch.bool),
+        mask=empty(batch, n_slots, n_slots, dtype=torch.bool) if with_mask else None,
         scores=empty(batch, n_slots, dtype=torch.float32),
         ancestors=empty(batch, n_slots, depth + 1),
         num_nodes=empty(batch),

@@ -145,7 +145,9 @@ def make_speculator_class(base):
 
                 buffers = self._fused_buffers.get(num_reqs)
                 if buffers is None:
-                    buffers = tree_buffers(num_reqs, depth, vocab, budget, logits.device)
+                    buffers = tree_buffers(  # the tables keep ancestors, not the mask
+                        num_reqs, depth, vocab, budget, logits.device, with_mask=False
+                    )
                     self._fused_buffers[num_reqs] = buffers
                 return build_tree_fused(
                     logits, budget, chain_seed=options.chain_seed, buffers=buffers
