@@ -116,6 +116,19 @@ else:
         logprobs, ids = draft_topk(logits, min(budget, vocab))
         check_tree(logprobs, ids, budget, chain_seed)
 
+    @pytest.mark.parametrize(
+        "seed, budget, vocab",
+        [(0, 120, 300), (0, 128, 150), (1, 260, 400)],  # last chunk: 4, 5, 82 candidates
+    )
+    def test_tree_stage_short_last_chunk(seed, budget, vocab):
+        """More candidates at a depth than the beam holds, the last chunk short (sorted at 64
+        or 256 keys before its merge): found by replaying the kernel's counts on these
+        logits (depth 2 has 132, 517 and 594 candidates for beams of 128, 128 and 512)."""
+        logits = make_logits("normal", 1, 3, vocab, seed)
+        logprobs, ids = draft_topk(logits, min(budget, vocab))
+        for chain_seed in (False, True):
+            check_tree(logprobs, ids, budget, chain_seed)
+
     @settings(max_examples=8, deadline=None)
     @given(
         st.integers(1, 2),  # batch

@@ -112,6 +112,15 @@ def _padded(keys, SIZE: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def _empty_tail(keys, SIZE: tl.constexpr, BP: tl.constexpr):
+    """``keys [SIZE <= BP]`` widened to ``[BP]`` with empty slots after them (for a merge)."""
+    if SIZE < BP:
+        i = tl.arange(0, BP)
+        keys = tl.where(i < SIZE, tl.gather(keys, tl.minimum(i, SIZE - 1), 0), EMPTY)
+    return keys
+
+
+@triton.jit
 def _next_list(score, lp, cnt, num, budget,
                BP: tl.constexpr, KP: tl.constexpr, LOG2_BP: tl.constexpr,
                S1: tl.constexpr, S2: tl.constexpr):  # fmt: skip
@@ -126,7 +135,18 @@ def _next_list(score, lp, cnt, num, budget,
     else:
         best = _sorted_candidates(score, lp, start, num, 0, BP, KP, BP, LOG2_BP)
         for first in range(BP, num, BP):
-            chunk = _sorted_candidates(score, lp, start, num, first, BP, KP, BP, LOG2_BP)
+            # The last chunk is often short (B=1024, flat drafts: 190 of 1,214 candidates at
+            # depth 2): sorted at 64 or 256 keys then, the rest of its BP slots empty.
+            if num - first <= S1:
+                chunk = _empty_tail(
+                    _sorted_candidates(score, lp, start, num, first, BP, KP, S1, LOG2_BP), S1, BP
+                )
+            elif num - first <= S2:
+                chunk = _empty_tail(
+                    _sorted_candidates(score, lp, start, num, first, BP, KP, S2, LOG2_BP), S2, BP
+                )
+            else:
+                chunk = _sorted_candidates(score, lp, start, num, first, BP, KP, BP, LOG2_BP)
             best = _merge_top(best, chunk, BP, LOG2_BP)
     pos = tl.arange(0, BP)
     ok = pos < tl.minimum(num, budget)
