@@ -8,7 +8,8 @@
 # --gpu-memory-utilization 0.15 (vLLM still checks at start-up that this share of the GPU is free).
 # SOAK_SLACK (default 240) s beyond SECONDS is what each soak gets for start-up and draining.
 # SOAK_RUNS (default "soak control"): also "dflash", vLLM's own DFlash chain against no-spec.
-# SOAK_VLLM_ARGS: more vLLM arguments for every server.
+# SOAK_VLLM_ARGS: more vLLM arguments for every server. SOAK_KV: each server's KV cache (8G;
+# the bundled pair needs ~9 MiB per 2,048-token request, so 2G holds ~220 of them).
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
 #   bash benchmarks/h200_soak.sh start SECONDS    # detached (setsid): outlives this call while
 #   bash benchmarks/h200_soak.sh wait [LIMIT]     # the machine stays warm; the next call waits
@@ -29,7 +30,7 @@ soak() {  # SECONDS: the SOAK_RUNS soaks side by side, then their files into $WO
     ( timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget \
         --method $method --duration "$1" \
         --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run \
-        -- --kv-cache-memory-bytes 8G --gpu-memory-utilization 0.15 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
+        -- --kv-cache-memory-bytes ${SOAK_KV:-8G} --gpu-memory-utilization 0.15 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
       echo "soak exit: $?" >> "$WORK/$run.txt"
       tar czf "$WORK/$run.tgz" -C /tmp/$run . ) &
   done
