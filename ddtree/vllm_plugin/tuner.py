@@ -51,6 +51,7 @@ TIMING_ROUNDS = 3  # start-up timing: rounds over every (bucket, budget), the fa
 INITIAL_COST_RATIO = 1.25  # before any traffic: the largest K whose forward costs <= this x chain
 MIN_LIVE_STEPS = 8  # served steps of a (bucket, K) before their mean is its cost
 STALL_RATIO = 4.0  # a served step this many times its expected cost is a stall: not counted
+MIXED_STALL_RATIO = 16.0  # the same for a step with a prefill among its drafts (logged only)
 EXPLORE_MARGIN = 0.15  # an unserved neighbour of the chosen K is tried once if its estimated
 # speed is within this fraction of the chosen one's (estimates only scale start-up's table)
 
@@ -75,9 +76,13 @@ class BudgetTuner:
         # running mean (each window's mean weighted 1 - DECAY) with the steps it covers.
         self.window: list[list[list[float]]] = []  # [sizes][candidates] -> [ms, steps]
         self.live: list[list[list[float]]] = []  # [sizes][candidates] -> [mean ms, steps]
+        # The same for mixed steps (drafts of K with a prefill among them): logged, not used
+        # to choose (their prefill work is not K's), so that a run shows what K adds there.
+        self.mixed_window: list[list[list[float]]] = []
+        self.mixed_live: list[list[list[float]]] = []
         self.explored: set[tuple[int, int]] = set()  # cells tried by exploration
         self.cost_ms: list[list[float]] = []  # costs(), refreshed at every fold
-        self._last: tuple[float, tuple[int, int] | None] | None = None
+        self._last: tuple[float, tuple[int, int] | None, bool] | None = None
 
     def set_costs(
         self, sizes: list[int], candidates: list[int], step_ms: list[list[float]], max_batch: int
@@ -85,8 +90,9 @@ class BudgetTuner:
         self.sizes, self.candidates, self.step_ms, self.max_batch = (
             sizes, candidates, step_ms, max_batch
         )  # fmt: skip
-        self.window = [[[0.0, 0.0] for _ in candidates] for _ in sizes]
-        self.live = [[[0.0, 0.0] for _ in candidates] for _ in sizes]
+        self.window, self.live, self.mixed_window, self.mixed_live = (
+            [[[0.0, 0.0] for _ in candidates] for _ in sizes] for _ in range(4)
+        )
         self.cost_ms = self.costs()
 
     def observe(self, num_reqs: int, uniform: bool, longest: int, now: float | None = None) -> None:
@@ -95,21 +101,23 @@ class BudgetTuner:
         counted for its (bucket, K) cell if every request of it verified drafts (a prefill
         among them, or a step without drafts, says nothing about K). What start-up's dummy
         steps leave out (host work per draft, structured output, penalties, the sampler's
-        options) is in these periods."""
+        options) is in these periods. Steps with drafts and a prefill are counted apart
+        (``mixed_live``, for the log only)."""
         now = time.perf_counter() if now is None else now
         if self._last is not None and self._last[1] is not None:
-            i, j = self._last[1]
+            (i, j), mixed = self._last[1], self._last[2]
             period = 1e3 * (now - self._last[0])
-            if period <= STALL_RATIO * self.cost_ms[i][j]:
-                cell = self.window[i][j]
+            ratio = MIXED_STALL_RATIO if mixed else STALL_RATIO
+            if period <= ratio * self.cost_ms[i][j]:
+                cell = (self.mixed_window if mixed else self.window)[i][j]
                 cell[0] += period
                 cell[1] += 1
         cell = None
-        if self.step_ms and num_reqs and uniform and longest in self.candidates:
+        if self.step_ms and num_reqs and longest in self.candidates:
             size = graphs.bucket(min(num_reqs, self.max_batch))
             i = min(self.sizes.index(size), len(self.sizes) - 1)
             cell = i, self.candidates.index(longest)
-        self._last = (now, cell)
+        self._last = (now, cell, not uniform)
 
     def costs(self) -> list[list[float]]:
         """Step ms per (bucket, K): the served mean where a cell has ``MIN_LIVE_STEPS``, else
@@ -147,13 +155,14 @@ class BudgetTuner:
 
     def _fold(self) -> None:
         self.totals.mul_(DECAY).add_(self.reader.host)
-        for live_row, window_row in zip(self.live, self.window, strict=True):
-            for live, window in zip(live_row, window_row, strict=True):
-                if window[1] > 0:
-                    mean = window[0] / window[1]
-                    live[0] = mean if live[1] == 0 else DECAY * live[0] + (1 - DECAY) * mean
-                    live[1] += window[1]
-                window[0] = window[1] = 0.0
+        for lives, windows in ((self.live, self.window), (self.mixed_live, self.mixed_window)):
+            for live_row, window_row in zip(lives, windows, strict=True):
+                for live, window in zip(live_row, window_row, strict=True):
+                    if window[1] > 0:
+                        mean = window[0] / window[1]
+                        live[0] = mean if live[1] == 0 else DECAY * live[0] + (1 - DECAY) * mean
+                        live[1] += window[1]
+                    window[0] = window[1] = 0.0
         if self.step_ms:
             self.cost_ms = self.costs()
         rows, accepted, proposals, predicted = self.totals.view(4, -1).tolist()
@@ -164,20 +173,27 @@ class BudgetTuner:
         self.updates += 1
         if apply(self.options, schedule):
             known = [(k, expected[k - 1]) for k in self.candidates if expected[k - 1] is not None]
-            served = [
-                f"{size}x{k}={mean:.2f}"
-                for size, row in zip(self.sizes, self.live, strict=True)
-                for k, (mean, n) in zip(self.candidates, row, strict=True)
-                if n >= MIN_LIVE_STEPS
-            ]
             logger.info(
                 "ddtree budgets by throughput (update %d): batch sizes %s; expected accepted "
-                "by budget: %s; served step ms (requests x budget): %s",
+                "by budget: %s; served step ms (requests x budget): %s; with a prefill among "
+                "them (ms/steps): %s",
                 self.updates,
                 schedule_label(schedule),
                 ", ".join(f"{k}: {a:.2f}" for k, a in known),
-                ", ".join(served) or "none yet",
+                self.served_label(self.live, MIN_LIVE_STEPS) or "none yet",
+                self.served_label(self.mixed_live, 1) or "none yet",
             )
+
+    def served_label(self, live: list[list[list[float]]], least: int) -> str:
+        """``requests x budget = mean ms`` of every cell of ``live`` with ``least`` steps
+        (with the steps too for the mixed cells, whose count varies more)."""
+        mixed = live is self.mixed_live
+        return ", ".join(
+            f"{size}x{k}={mean:.2f}" + (f"/{n:.0f}" if mixed else "")
+            for size, row in zip(self.sizes, live, strict=True)
+            for k, (mean, n) in zip(self.candidates, row, strict=True)
+            if n >= least
+        )
 
     def choose(self, expected: list[float | None]) -> list[list[int]] | None:
         """The schedule for ``expected`` accepted lengths (entry K-1; None: unknown): per
