@@ -407,3 +407,56 @@ def test_v2_per_step_code_is_sync_checked():
         speculator._accepted_path_first,
     ):
         assert getattr(fn, "__wrapped__", None) is not None, fn.__qualname__
+
+
+def test_v2_steps_are_profiled_by_stage(caplog):
+    """``DDTREE_PROFILE`` on the V2 runner: begin_step, the verify forward, the tree sampler and
+    the speculator's propose mark the step's stages, and every N served steps one report of
+    mean ms per stage is logged; dummy runs and graph captures are not profiled."""
+    import json
+    import logging
+
+    from ddtree.bench.report import PROFILE_MARKER
+    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+    from ddtree.vllm_plugin.v2 import prepare
+    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+    from ddtree.vllm_plugin.v2.sampler import TreeSampler
+    from ddtree.vllm_plugin.v2.speculator import make_speculator_class
+
+    class Drafter:  # vLLM's DFlash speculator, as far as DDTree's propose calls it
+        def propose(self, *args, **kwargs):
+            return None
+
+    tables = TreeTables(4, 31, DEPTH, torch.device("cpu"))
+    settings = Settings(cuda_graphs=False, profile_every=2)
+    engine = TreeEngine(DDTreeOptions(31), DEPTH, settings, tables)
+    chain = lambda *a: SimpleNamespace(num_sampled=torch.tensor([1], dtype=torch.int32))  # noqa: E731
+    sampler = TreeSampler(engine, SimpleNamespace(), 31, chain)
+    speculator_cls = make_speculator_class(Drafter)
+    speculator = speculator_cls.__new__(speculator_cls)  # its state only: no vLLM config
+    speculator.engine, speculator.draft_nodes = engine, torch.zeros(4, 31, dtype=torch.long)
+    out = SimpleNamespace(
+        scheduled_spec_decode_tokens={"a": [1] * 5}, num_scheduled_tokens={"a": 6}
+    )
+    batch = SimpleNamespace(cu_num_logits=torch.tensor([0, 6], dtype=torch.int32), num_reqs=1)
+
+    def step(dummy_run: bool) -> None:
+        prepare.begin_step(engine, out, dummy_run)
+        engine.mark("forward")  # patches.prepare_attn, after prepare_step
+        engine.chain_trees = True  # 5 drafts <= D: the chain's verify
+        sampler(torch.zeros(6, VOCAB), batch)
+        speculator.propose(batch, None, None, None, None, None, None, dummy_run=dummy_run)
+
+    caplog.set_level(logging.WARNING, logger="vllm.ddtree")
+    step(dummy_run=True)
+    engine.capturing = True
+    step(dummy_run=False)
+    engine.capturing = False
+    assert engine.profile.marks == [] and PROFILE_MARKER not in caplog.text
+    for _ in range(3):  # the third step's "prepare" closes the second: one report
+        step(dummy_run=False)
+    reports = [r.getMessage() for r in caplog.records if PROFILE_MARKER in r.getMessage()]
+    assert len(reports) == 1, reports
+    report = json.loads(reports[0].split(PROFILE_MARKER, 1)[1])
+    assert report["steps"] == 2
+    assert list(report["ms_per_step"]) == ["prepare", "forward", "sample", "vllm", "draft", "rest"]

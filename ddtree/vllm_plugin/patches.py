@@ -435,6 +435,7 @@ def _patch_v2_runner() -> None:
         engine = engine_of(self)
         if engine is not None:
             v2_prepare.prepare_step(engine, input_batch)
+            engine.mark("forward")
         return result
 
     @wrap(runner_cls, "capture_model")

@@ -17,7 +17,7 @@ from ddtree.tree import DraftTree
 from ddtree.vllm_plugin import attention, graphs
 from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 from ddtree.vllm_plugin.config import DDTreeOptions, Settings
-from ddtree.vllm_plugin.debug import AcceptanceLog, sync_checked
+from ddtree.vllm_plugin.debug import AcceptanceLog, StepProfile, sync_checked
 from ddtree.vllm_plugin.state import LayerBinding
 
 # Attention implementations whose cache layout (logical [blocks, kv heads, block, 2 x head])
@@ -133,7 +133,26 @@ class TreeEngine:
     tuner: Any = None  # tuner.BudgetTuner of an "auto" budget schedule (made with the engine)
     gdn: Any = None  # v2.gdn.TreeGDN of a hybrid target's Gated DeltaNet layers
     marked_rows: int = 0  # batch rows prepare_step marked in tables.tree_rows this step
+    profile: StepProfile | None = None  # DDTREE_PROFILE: the step's time split
+    live_step: bool = False  # this step serves requests (not a dummy run): it may be profiled
     _fused_layers: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.profile is None and self.settings.profile_every > 0:
+            self.profile = StepProfile(self.settings.profile_every, self.settings.profile_ops)
+
+    def mark(self, stage: str) -> None:
+        """``DDTREE_PROFILE``: ``stage`` starts now (a device sync: profiling only). Served
+        steps only, never inside a graph capture. Stages on this runner: prepare (vLLM's
+        inputs and DDTree's rows and positions), forward (the verify forward, its graph
+        replayed: the tree attention has no share of its own), sample (vLLM's sampler + the
+        walk, output and KV commit), vllm (vLLM between sampler and drafter), draft (the
+        drafter's forward and the tree build: one graph), rest (to the next step)."""
+        if self.profile is None or not self.live_step or self.capturing:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        self.profile.mark(stage)
 
     def bind(self, runner, draft_layers: set[str]) -> None:
         """Once, after the KV cache exists: the target's attention layers get this engine."""

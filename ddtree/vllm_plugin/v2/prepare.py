@@ -65,9 +65,11 @@ def begin_step(engine: TreeEngine, scheduler_output, dummy_run: bool) -> None:
     """Clear the step's flags; note whether every request verifies a tree (only then may a
     uniform batch replay a verify graph) and whether every tree is its forced chain."""
     engine.tree_step = engine.all_tree = engine.chain_trees = False
+    engine.live_step = not dummy_run
     if dummy_run:
         engine.uniform_trees = True
         return
+    engine.mark("prepare")
     num_reqs, engine.uniform_trees, longest = tuner.scheduled_drafts(scheduler_output)
     if engine.tuner is not None:  # "auto": the served period of the last step
         engine.tuner.observe(num_reqs, engine.uniform_trees, longest)

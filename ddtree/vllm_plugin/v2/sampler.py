@@ -60,6 +60,12 @@ class TreeSampler:
             )
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None):
+        self.engine.mark("sample")
+        output = self._sample(logits, input_batch)
+        self.engine.mark("vllm")
+        return output
+
+    def _sample(self, logits: torch.Tensor, input_batch):
         if self.engine.chain_step():
             return self._chain_step(logits, input_batch)
         rows = input_batch.logits_indices

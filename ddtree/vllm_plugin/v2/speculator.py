@@ -170,6 +170,8 @@ def make_speculator_class(base):
             **kwargs,
         ):
             engine = self.engine
+            if not dummy_run:
+                engine.mark("draft")
             if engine.walked and not engine.chain_trees and not dummy_run:
                 self._accepted_path_first(input_batch, aux_hidden_states or [last_hidden_states])
             engine.walked = False
@@ -185,6 +187,8 @@ def make_speculator_class(base):
                 dummy_run=dummy_run,
                 **kwargs,
             )
+            if not dummy_run:
+                engine.mark("rest")
             return self.draft_nodes[: input_batch.num_reqs]
 
         @sync_checked
