@@ -46,7 +46,7 @@ def main() -> None:
     import torch
     import vllm
 
-    from ddtree.bench.vllm import write_dummy_shapes
+    from ddtree.bench.shapes import write_dummy_shapes
     from ddtree.vllm_plugin.patches import register
 
     register()  # the engine runs in this process: its plugin too, whether installed or not

@@ -654,7 +654,7 @@ def test_dummy_shape_checkpoints_load_and_pair(tmp_path, shapes):
     target (the start-up check); Qwen3.6-27B: 48 GDN + 16 attention layers, an MTP layer."""
     from transformers import AutoConfig
 
-    from ddtree.bench.vllm import write_dummy_shapes
+    from ddtree.bench.shapes import write_dummy_shapes
     from ddtree.dflash import check_pair, read_config
 
     target, drafter = write_dummy_shapes(tmp_path, shapes)
