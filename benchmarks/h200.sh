@@ -20,7 +20,8 @@
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
-#   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each)
+#   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each;
+#                                    # SELECT_WARPS="default 32": the top-k kernel's warps too)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree-15, ddtree-63, one
 #                                    # engine per run (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
@@ -143,12 +144,17 @@ chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, 
   done
   ;;
 treetime)  # fused tree kernels' timings only, for each tree-kernel warp count in TREE_WARPS
+  # and each top-k (select) kernel warp count in SELECT_WARPS
   for warps in ${TREE_WARPS:-default}; do
-    timeout 200 python3 benchmarks/tree.py --device cuda --impl fused --vocabs 151936 \
-      --batches 1,32 --budgets 255,1024 --no-reference \
-      $([ "$warps" = default ] || echo --tree-warps "$warps") \
-      --out "$OUT/tree_w$warps.json" > "$OUT/tree_w$warps.txt" 2>&1
-    echo "warps $warps"; tail -6 "$OUT/tree_w$warps.txt"
+    for select in ${SELECT_WARPS:-default}; do
+      name=w$warps$([ "$select" = default ] || echo "_s$select")
+      timeout 200 python3 benchmarks/tree.py --device cuda --impl fused --vocabs 151936 \
+        --batches 1,32 --budgets 255,1024 --no-reference \
+        $([ "$warps" = default ] || echo --tree-warps "$warps") \
+        $([ "$select" = default ] || echo --select-warps "$select") \
+        --out "$OUT/tree_$name.json" > "$OUT/tree_$name.txt" 2>&1
+      echo "tree warps $warps, select warps $select"; tail -6 "$OUT/tree_$name.txt"
+    done
   done
   ;;
 bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree

@@ -167,11 +167,18 @@ def main() -> None:
         "--impl", choices=("torch", "fused", "both"), default="torch", help="which tree step"
     )
     parser.add_argument("--tree-warps", type=int, help="override the fused tree kernel's warps")
+    parser.add_argument(
+        "--select-warps", type=int, help="override the vocabulary stage's top-k kernel's warps"
+    )
     args = parser.parse_args()
     if args.tree_warps:
         from ddtree.kernels import build
 
         build.tree_num_warps = lambda budget: args.tree_warps
+    if args.select_warps:
+        from ddtree.kernels import vocab_topk
+
+        vocab_topk.select_num_warps = lambda cap: args.select_warps
     device = args.device
     if args.impl != "torch" and device != "cuda":
         parser.error("--impl fused/both needs --device cuda (the Triton kernels)")
@@ -221,6 +228,7 @@ def main() -> None:
         "logits_dtype": "bfloat16",
         "impl": args.impl,
         "tree_warps": args.tree_warps,
+        "select_warps": args.select_warps,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
