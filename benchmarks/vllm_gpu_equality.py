@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +57,10 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "hybrid_dflash",
     "hybrid_ddtree_15",
     "hybrid_ddtree_30",  # B <= vocab - 2 (32 words): vLLM's warm-up ids
+    # Budgets per batch size on the hybrid target (not its default yet: the tree width changes
+    # between steps of a request, and the GDN stash and replay with it).
+    "hybrid_ddtreesched_30",
+    "hybrid_ddtreeauto_30",
 ]
 # dflash: vLLM's own chain (its defaults), the control for the numerics of a verify forward.
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
@@ -193,8 +198,6 @@ def run_case(name: str, out: Path, dtype: str) -> None:
     if method == "dflash":
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
     elif method != "nospec":
-        import os
-
         if method.startswith("ddtreesync_"):
             os.environ["DDTREE_SYNC_DEBUG"] = "warn"
         if method.startswith("ddtreetriton_"):
@@ -217,6 +220,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
 
     if not torch.cuda.is_available():  # a CPU dry run of the script (--dtype float32)
         extra["enforce_eager"] = True
+        if method.startswith("ddtreeauto_"):  # "auto" needs the worker in the engine core's
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # process: the CPU build's mp
     if kind == "hybrid":  # text only: the vision tower is never run
         extra["language_model_only"] = True
         if torch.cuda.is_available():  # vLLM's default GDN prefill on sm90 needs flashinfer
@@ -350,8 +355,6 @@ def _dist_info(site: Path) -> None:
 
 
 def drive(out: Path, site: Path | None, dtype: str, cases: list[str], jobs: int) -> dict:
-    import os
-
     out.mkdir(parents=True, exist_ok=True)
     make_random_pair(out)
     if any(name.startswith("hybrid_") for name in cases):

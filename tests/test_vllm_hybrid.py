@@ -88,17 +88,22 @@ def test_vllm_dflash_chain_equals_no_spec(pair, no_spec):
 
 @pytest.mark.parametrize(
     "budget, options, blocks",
-    [(63, {"ddtree_chain_seed": False}, None), (15, {}, 8)],
-    ids=["B63-no-forced-chain", "B15-preempted"],
+    [
+        (63, {"ddtree_chain_seed": False}, None),
+        (15, {}, 8),
+        (30, {"ddtree_budget_per_batch_size": [[1, 1, 30], [2, 2, 20], [3, 16, 7]]}, None),
+    ],
+    ids=["B63-no-forced-chain", "B15-preempted", "B30-schedule"],
 )
 def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options, blocks):
     """Trees verified through the GDN layers (each node continues its parent's state and conv
     window), accepted paths replayed into the request's state: outputs equal no-spec's, EOS
     inside paths included, and up to the end of the context. Without the forced argmax chain
     the accepted path runs through siblings, so a commit that assumed slots 0, 1, 2, ... fails
-    here. With 8 cache blocks for 4 requests (one state block each: DDTree does not take
-    vLLM's 1 + B) requests are preempted and recomputed, and run to the end of the context
-    (the last trees cut there)."""
+    here. Budgets per batch size (a schedule) change the tree's width between steps
+    of one request, its stash and replay with it. With 8 cache blocks for 4 requests (one
+    state block each: DDTree does not take vLLM's 1 + B) requests are preempted and
+    recomputed, and run to the end of the context (the last trees cut there)."""
     want, _, want_to_end = no_spec
     assert sum(reason == "stop" for _, reason in want) >= 2  # EOS mid-answer
     assert all(len(t) > MAX_MODEL_LEN - 16 for t in want_to_end)
@@ -109,11 +114,21 @@ def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options, blocks):
         got = greedy(llm, PROMPTS)
         got_to_end = _to_context_end(llm) if to_end else want_to_end
         accepted = _acceptance(llm)
-        preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        metrics = llm.get_metrics()
     assert got == want
     assert got_to_end == want_to_end
     assert accepted[4] > 0, accepted  # paths at least 5 nodes deep were committed
+    preempted = _metric(metrics, "vllm:num_preemptions")
     assert (preempted > 0) == (blocks is not None), preempted
+    if isinstance(options.get("ddtree_budget_per_batch_size"), list):
+        # 4 requests verify 7 drafts, the last one 30: trees of several widths were verified
+        drafts = _metric(metrics, "vllm:spec_decode_num_draft_tokens")
+        per_step = drafts / _metric(metrics, "vllm:spec_decode_num_drafts")
+        assert 7 < per_step < 30, per_step
+
+
+def _metric(metrics, name: str) -> float:
+    return sum(m.value for m in metrics if m.name == name)
 
 
 def test_sampling_ddtree_matches_no_spec(pair, no_spec):
