@@ -333,8 +333,10 @@ def apply_default_schedule(
     (``parallel``: ``distributed_executor_backend`` "uni", world size 1, i.e. one GPU), which
     "auto" needs; otherwise (several workers) the schedule of ``tuner.default_schedule``: per
     request bucket the widest tree whose verify fits a full CUDA graph. ``"fixed"`` keeps B at
-    every batch size; hybrid targets keep it too (their tree state under a schedule is not
-    measured on a GPU yet), and so does a budget within the chain (nothing to choose)."""
+    every batch size; hybrid targets keep it too (a schedule on them, its tree width changing
+    under the GDN stash and replay, is CPU-tested but has not run on a GPU yet: equality cases
+    ``hybrid_ddtreesched_30`` / ``hybrid_ddtreeauto_30``), and so does a budget within the
+    chain (nothing to choose)."""
     from ddtree.vllm_plugin.tuner import default_schedule
 
     if options.budget_schedule or options.auto_budget or options.fixed_budget or hybrid:
