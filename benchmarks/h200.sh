@@ -34,8 +34,8 @@
 #                                    # engine's CUDA graphs up to 2048 tokens, not vLLM's 512)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh trainhybrid # train a hybrid pair into HYBRID_PAIR (/tmp/hyb8; ~10 min?)
-#   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR, default models/hybrid): chain
-#                                    # vs DDTree B=15, 63 (~5 min)
+#   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR; models/hybrid, else /tmp/hyb8): chain
+#                                    # vs DDTree B=15, 63 and "auto" (~6 min)
 #   bash benchmarks/h200.sh bench8b  # Qwen3-8B shapes: chain vs DDTree B=15, 63, "auto", c=1 and 8,
 #                                    # step periods by kind (~8 min?: 3 engines of 16 GB)
 #   bash benchmarks/h200.sh b15      # ddtree bench: chain vs DDTree B=15, 63 at c=1, 16, T=0, with
@@ -70,7 +70,7 @@ numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain v
 }
 case "$1" in
 smoke)
-  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pair_ddtreedefault_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,pairjson_nospec,pairjson_ddtree_64,random_nospec,random_ddtree_15,hybrid_nospec,hybrid_dflash,hybrid_ddtree_15
+  equality 400 pair_nospec,pair_dflash,pair_ddtree_64,pair_ddtree_1023,pair_ddtreetorch_64,pair_ddtreesched_255,pair_ddtreeauto_255,pair_ddtreedefault_255,pairopts_nospec,pairopts_ddtree_64,pairpen_nospec,pairpen_ddtree_64,pairjson_nospec,pairjson_ddtree_64,random_nospec,random_ddtree_15,hybrid_nospec,hybrid_dflash,hybrid_ddtree_15,hybrid_ddtreesched_30,hybrid_ddtreeauto_30
   ;;
 check)
   # The GPU tests (kernels: mostly GPU work, 2.5-4.5 min) run beside the equality suite's
@@ -230,11 +230,13 @@ trainhybrid)  # a hybrid pair (Qwen3.5 layout, 8 layers: 6 GDN + 2 attention) tr
     split -b 15M -d /tmp/hybrid_pair.tar /tmp/res/hybrid_pair.tar.part-
   tail -c 300 "$OUT/trainhybrid/drafter.txt"; ls -la "$P/target" "$P/drafter"
   ;;
-hybridpair)  # a trained hybrid pair (HYBRID_PAIR, default models/hybrid): chain vs DDTree
-  P=${HYBRID_PAIR:-models/hybrid}
+hybridpair)  # a trained hybrid pair (HYBRID_PAIR; default models/hybrid when bundled, else
+  # trainhybrid's /tmp/hyb8): chain vs DDTree
+  P=${HYBRID_PAIR:-$([ -d models/hybrid ] && echo models/hybrid || echo /tmp/hyb8)}
   timeout 600 python3 -m ddtree.cli bench --target "$P/target" --draft "$P/drafter" \
-    --methods dflash,ddtree --budgets 15,63 --concurrency 1,16 --temperatures "${HYBRID_TEMPS:-0,1}" \
-    --max-tokens 128 --step-log 20 --title "hybrid pair $P, $GPU" --out /tmp/bench_hybridpair \
+    --methods dflash,ddtree --budgets 15,63 --ddtree-auto 63 --concurrency 1,16 \
+    --temperatures "${HYBRID_TEMPS:-0,1}" --max-tokens 128 --step-log 20 \
+    --title "hybrid pair $P, $GPU" --out /tmp/bench_hybridpair \
     > "$OUT/bench_hybridpair.txt" 2>&1
   tar czf "$OUT/bench_hybridpair.tgz" -C /tmp/bench_hybridpair --exclude=models .
   tail -30 "$OUT/bench_hybridpair.txt"
