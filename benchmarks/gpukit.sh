@@ -20,8 +20,9 @@ W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 TRIM=(vllm/_moe_C_stable_libtorch.abi3.so vllm/third_party/fmha_sm100/cutlass)
 
 # What travels with every call: tracked files and untracked ones git does not ignore.
+# (A tracked file deleted in the tree does not travel: stat skips it, its failure is no error.)
 tree_bytes=$(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
-  | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}') || true
 tree_mib=$(( (tree_bytes + 1048575) / 1048576 ))
 part_mib=$(( 64 - tree_mib - ${KIT_MARGIN_MIB:-2} ))
 if [ "$part_mib" -lt 8 ]; then
