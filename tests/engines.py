@@ -55,6 +55,11 @@ def engine(model: Path = MODELS / "target", spec: dict | None = None, **kwargs):
         gc.collect()
 
 
+def counter(llm, name: str) -> float:
+    """The engine's counter ``name`` (e.g. ``vllm:num_preemptions``), summed over its labels."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
 def greedy(llm, prompts=PROMPTS) -> list[tuple[list[int], str]]:
     """Mixed greedy requests (prompt lengths, max_tokens and a stop token differ)."""
     import vllm

@@ -237,7 +237,7 @@ def test_tuner_learns_served_step_costs_and_tries_a_neighbour_once():
     tuner._fold()
     assert tuner.live[4][1] == [pytest.approx(5.0), 10]  # the 10 steps: no prefill, no stall
     assert tuner.mixed_live[4][1] == [pytest.approx(20.0), 3]  # logged, not a cost of K
-    assert tuner.served_label(tuner.mixed_live, 1) == "16x31=20.00/3"
+    assert tuner.served_label(tuner.mixed_live, 1, with_steps=True) == "16x31=20.00/3"
     assert tuner.served_label(tuner.live, 8) == "16x31=5.00"
     assert tuner.cost_ms[4] == [pytest.approx(5.0), pytest.approx(5.0)]  # 15: 2 x (5 / 2)
     # served 31 (4 / 5 tokens per ms) vs 15's estimate (3.5 / 5): within 15%, so 15 is tried

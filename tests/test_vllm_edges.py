@@ -8,7 +8,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from engines import MODELS, PROMPTS, ddtree_spec, engine  # noqa: E402
+from engines import MODELS, PROMPTS, counter, ddtree_spec, engine  # noqa: E402
 
 pytestmark = pytest.mark.slow  # engines, servers, subprocesses or Triton's interpreter
 
@@ -26,7 +26,7 @@ def _run(spec):
     ) as llm:
         params = vllm.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         outs = llm.generate(PROMPTS, params)
-        preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        preempted = counter(llm, "vllm:num_preemptions")
         return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs], preempted
 
 

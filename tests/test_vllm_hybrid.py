@@ -11,7 +11,14 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("torchvision")  # vLLM's Qwen3.5 module imports Qwen2-VL's image processor
 
-from engines import assert_same_distribution, ddtree_spec, engine, greedy, token_counts  # noqa: E402
+from engines import (  # noqa: E402
+    assert_same_distribution,
+    counter,
+    ddtree_spec,
+    engine,
+    greedy,
+    token_counts,
+)
 
 from models import make_hybrid_pair  # noqa: E402
 
@@ -114,21 +121,16 @@ def test_greedy_ddtree_equals_no_spec(pair, no_spec, budget, options, blocks):
         got = greedy(llm, PROMPTS)
         got_to_end = _to_context_end(llm) if to_end else want_to_end
         accepted = _acceptance(llm)
-        metrics = llm.get_metrics()
+        preempted = counter(llm, "vllm:num_preemptions")
+        drafts = counter(llm, "vllm:spec_decode_num_draft_tokens")
+        per_step = drafts / counter(llm, "vllm:spec_decode_num_drafts")
     assert got == want
     assert got_to_end == want_to_end
     assert accepted[4] > 0, accepted  # paths at least 5 nodes deep were committed
-    preempted = _metric(metrics, "vllm:num_preemptions")
     assert (preempted > 0) == (blocks is not None), preempted
     if isinstance(options.get("ddtree_budget_per_batch_size"), list):
         # 4 requests verify 7 drafts, the last one 30: trees of several widths were verified
-        drafts = _metric(metrics, "vllm:spec_decode_num_draft_tokens")
-        per_step = drafts / _metric(metrics, "vllm:spec_decode_num_drafts")
         assert 7 < per_step < 30, per_step
-
-
-def _metric(metrics, name: str) -> float:
-    return sum(m.value for m in metrics if m.name == name)
 
 
 def test_sampling_ddtree_matches_no_spec(pair, no_spec):

@@ -181,15 +181,16 @@ class BudgetTuner:
                 schedule_label(schedule),
                 ", ".join(f"{k}: {a:.2f}" for k, a in known),
                 self.served_label(self.live, MIN_LIVE_STEPS) or "none yet",
-                self.served_label(self.mixed_live, 1) or "none yet",
+                self.served_label(self.mixed_live, 1, with_steps=True) or "none yet",
             )
 
-    def served_label(self, live: list[list[list[float]]], least: int) -> str:
+    def served_label(
+        self, live: list[list[list[float]]], least: int, with_steps: bool = False
+    ) -> str:
         """``requests x budget = mean ms`` of every cell of ``live`` with ``least`` steps
-        (with the steps too for the mixed cells, whose count varies more)."""
-        mixed = live is self.mixed_live
+        (``/steps`` after each with ``with_steps``: the mixed cells, whose count varies more)."""
         return ", ".join(
-            f"{size}x{k}={mean:.2f}" + (f"/{n:.0f}" if mixed else "")
+            f"{size}x{k}={mean:.2f}" + (f"/{n:.0f}" if with_steps else "")
             for size, row in zip(self.sizes, live, strict=True)
             for k, (mean, n) in zip(self.candidates, row, strict=True)
             if n >= least
