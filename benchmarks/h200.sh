@@ -31,7 +31,8 @@
 #                                    # kind (--step-log) (~12 min: detach;
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines; SCHED_CAPTURE=2048: every
-#                                    # engine's CUDA graphs up to 2048 tokens, not vLLM's 512)
+#                                    # engine's CUDA graphs up to 2048 tokens, not vLLM's 512;
+#                                    # SCHED_METHODS=dflash: the chain and "auto" only)
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh trainhybrid # train a hybrid pair into HYBRID_PAIR (/tmp/hyb8; ~10 min?)
 #   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR; models/hybrid, else /tmp/hyb8): chain
@@ -249,7 +250,7 @@ json)  # structured output (a JSON schema per request): the chain vs DDTree (iss
   tail -20 "$OUT/bench_json.txt"
   ;;
 sched)  # fixed budgets and budgets per batch size, in turns, 3 repeats per point
-  timeout 900 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets "${SCHED_BUDGETS:-15,63,255}" \
+  timeout 900 python3 -m ddtree.cli bench --methods "${SCHED_METHODS:-dflash,ddtree}" --budgets "${SCHED_BUDGETS:-15,63,255}" \
     --ddtree-acceptance 50 --ddtree-auto 255 \
     --ddtree-schedules "${SCHED_SCHEDULES:-[[[1, 4, 255], [5, 512, 15]], [[1, 2, 255], [3, 8, 63], [9, 512, 15]]]}" \
     --concurrency 1,4,16,32 --temperatures "${SCHED_TEMPS:-0,1}" --repeats "${SCHED_REPEATS:-3}" \
