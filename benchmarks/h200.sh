@@ -21,7 +21,8 @@
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
 #   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each;
-#                                    # SELECT_WARPS="default 32": the top-k kernel's warps too)
+#                                    # SELECT_WARPS="default sort 32": the top-k kernel by
+#                                    # ranks, by one sort per row, at 32 warps)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree-15, ddtree-63, one
 #                                    # engine per run (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
@@ -145,54 +146,21 @@ chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, 
   done
   ;;
 treetime)  # fused tree kernels' timings only, for each tree-kernel warp count in TREE_WARPS
-  # and each top-k (select) kernel warp count in SELECT_WARPS
+  # and each top-k (select) kernel setting in SELECT_WARPS: a warp count, "default", or "sort"
+  # (the usual case by one bitonic top-k per row instead of ranks)
   for warps in ${TREE_WARPS:-default}; do
-    for select in ${SELECT_WARPS:-default}; do
+    for select in ${SELECT_WARPS:-default sort}; do
       name=w$warps$([ "$select" = default ] || echo "_s$select")
+      select_flag=
+      [ "$select" = sort ] && select_flag=--select-sort
+      [ "$select" != sort ] && [ "$select" != default ] && select_flag="--select-warps $select"
       timeout 200 python3 benchmarks/tree.py --device cuda --impl fused --vocabs 151936 \
-        --batches 1,32 --budgets 255,1024 --no-reference \
+        --batches 1,32 --budgets 255,1024 --no-reference $select_flag \
         $([ "$warps" = default ] || echo --tree-warps "$warps") \
-        $([ "$select" = default ] || echo --select-warps "$select") \
         --out "$OUT/tree_$name.json" > "$OUT/tree_$name.txt" 2>&1
-      echo "tree warps $warps, select warps $select"; tail -6 "$OUT/tree_$name.txt"
+      echo "tree warps $warps, select $select"; tail -6 "$OUT/tree_$name.txt"
     done
   done
-  ;;
-bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree
-  # (issue 21). ~56 GB of weights per engine, and a bench starts its engines together: one
-  # engine per bench run (ddtree-B: one budget), one run after another.
-  for run in ${BENCH27B_METHODS:-ar mtp dflash ddtree-15 ddtree-63}; do
-    case $run in
-    ddtree-*) method=ddtree; budget=${run#ddtree-} ;;
-    ddtree) echo "BENCH27B_METHODS: name DDTree's budget, e.g. ddtree-63" >&2; continue ;;
-    *) method=$run; budget=15 ;;  # --budgets is DDTree's only
-    esac
-    timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$method" \
-      --budgets "$budget" --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
-      --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $run, $GPU" \
-      --out "/tmp/bench_27b/$run" > "$OUT/bench_27b_$run.txt" 2>&1
-    tail -12 "$OUT/bench_27b_$run.txt"
-  done
-  tar czf "$OUT/bench_27b.tgz" -C /tmp/bench_27b --exclude=models .
-  ;;
-newtests)  # the GPU tests of this session's pieces: V2 GDN glue + graph, penalties vs vLLM
-  timeout 400 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 \
-    tests/test_gpu_gdn.py tests/test_gpu_penalties.py > "$OUT/newtests.txt" 2>&1
-  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/newtests.txt" | tail -12
-  ;;
-pair)
-  timeout 700 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
-    --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
-    --title "bundled pair, $GPU" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
-  tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
-  tail -30 "$OUT/bench_pair.txt"
-  ;;
-b15)  # the chain vs DDTree at the chain's size (B=15) and B=63, c=1 and 16, T=0 (issue 19)
-  timeout 500 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
-    --concurrency 1,16 --temperatures 0 --max-tokens 128 --step-log 20 \
-    --title "bundled pair, $GPU" --out /tmp/bench_b15 > "$OUT/bench_b15.txt" 2>&1
-  tar czf "$OUT/bench_b15.tgz" -C /tmp/bench_b15 --exclude=models .
-  tail -24 "$OUT/bench_b15.txt"
   ;;
 bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "auto", c=1 and 8,
   # with step periods by kind: issue 19's step targets (B=63 at c=1 <= 1.10x the chain's step)
