@@ -69,7 +69,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         vocab_topk._segment_kernel,
         {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
          "stats_ptr": "*fp32", "chunks_ptr": "*i32"},
-        {"SEGMENT": segment, "CHUNK": chunk},
+        {"SEGMENT": segment, "CHUNK": chunk, "PDL": True},
         8, arch,
     )  # fmt: skip
     compile_one(
@@ -77,7 +77,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         vocab_topk._threshold_kernel,
         {"stats_ptr": "*fp32", "chunks_ptr": "*i32", "lse_ptr": "*fp32", "thresh_ptr": "*i32",
          "count_ptr": "*i32", "num_seg": "i32", "n_chunks": "i32", "k": "i32", "slack": "i32"},
-        {"NK": next_pow2(n_chunks), "SEG_P": next_pow2(num_seg)},
+        {"NK": next_pow2(n_chunks), "SEG_P": next_pow2(num_seg), "PDL": True},
         vocab_topk.threshold_num_warps(n_chunks), arch,
     )  # fmt: skip
     compile_one(
@@ -86,7 +86,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         {"logits_ptr": f"*{dtype}", "s_b": "i32", "s_d": "i32", "depth": "i32", "vocab": "i32",
          "thresh_ptr": "*i32", "count_ptr": "*i32", "buf_ptr": "*i64", "chunks_ptr": "*i32"},
         {"CAP": cap, "SEGMENT": segment, "CHUNK": chunk,
-         "TILE_CH": min(segment // chunk, 2048 // chunk)},
+         "TILE_CH": min(segment // chunk, 2048 // chunk), "PDL": True},
         8, arch,
     )  # fmt: skip
     compile_one(
@@ -98,7 +98,8 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
          "floor": "fp32"},
         {"CAP_SMALL": cap_small, "CAP": cap, "KP": sort_size(k), "TILE": min(segment, 4096),
          "RANK": True, "RANK_BLOCK": cap_small // 8,
-         "RANK_SUB": min(vocab_topk.RANK_SUB, cap_small // 8), "RANK_TILE": vocab_topk.RANK_TILE},
+         "RANK_SUB": min(vocab_topk.RANK_SUB, cap_small // 8), "RANK_TILE": vocab_topk.RANK_TILE,
+         "PDL": True},
         vocab_topk.select_num_warps(cap), arch,
     )  # fmt: skip
     beam = sort_size(budget)
@@ -113,7 +114,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
              "scores_ptr": "*fp32", "num_nodes_ptr": "*i64"},
             {"CHAIN": chain, "BP": beam, "LOG2_BP": beam.bit_length() - 1, "KP": next_pow2(k),
              "LOG2_KP": next_pow2(k).bit_length() - 1, "DP": next_pow2(depth),
-             "NP": next_pow2(budget + 1), "S1": min(64, beam), "S2": min(256, beam)},
+             "NP": next_pow2(budget + 1), "S1": min(64, beam), "S2": min(256, beam), "PDL": True},
             build.tree_num_warps(budget), arch,
         )  # fmt: skip
     n_slots = budget + 1
@@ -124,7 +125,7 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
         {"parents_ptr": "*i64", "ancestors_ptr": "*i64", "bits_ptr": "*i32", "mask_ptr": "*u8",
          "n_slots": "i32", "depth": "i32", "n_words": "i32"},
         {"ROWS": rows, "WP": next_pow2(-(-n_slots // 32)),
-         "GROUP": min(4, next_pow2(-(-n_slots // 32)))},
+         "GROUP": min(4, next_pow2(-(-n_slots // 32))), "MASK": False, "PDL": True},
         4, arch,
     )  # fmt: skip
     compile_one(

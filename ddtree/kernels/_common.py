@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INDEX_MASK = (1 << 31) - 1  # low field of a packed int64 sort key
 EMPTY_KEY = -(1 << 63)  # below every packed key: an empty slot
@@ -17,6 +22,35 @@ def sort_size(n: int) -> int:
     """A bitonic network's size for ``n`` keys: a power of two, at least 16 (``tl.topk`` and
     ``tl.sort`` need two or more elements; tiny networks gain nothing)."""
     return max(16, next_pow2(n))
+
+
+@functools.cache
+def _pdl_device(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for a chain of our kernels: on sm_90+ (not under the
+    interpreter; ``DDTREE_PDL=0`` turns it off). Each kernel of the chain may then be scheduled
+    while its predecessor still runs (the launch latency, ~2-4 us a boundary, hidden at batch 1)
+    and waits in :func:`pdl_enter` before touching memory."""
+    if device.type != "cuda" or os.environ.get("DDTREE_PDL", "1") == "0":
+        return False
+    return _pdl_device(device)
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with :func:`pdl_enter`."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a kernel launched with ``launch_pdl``: let the next kernel be
+    scheduled, then wait until the previous one has finished and its writes are visible."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels._common import next_pow2
+from ddtree.kernels._common import next_pow2, pdl_args, pdl_enter
 
 
 def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,9 @@ def pack_ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
 def _ancestry_kernel(
     parents_ptr, ancestors_ptr, bits_ptr, mask_ptr, n_slots, depth, n_words,
     ROWS: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr, MASK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     req = tl.program_id(0)
     slot = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     ok = slot < n_slots
@@ -92,5 +94,5 @@ def ancestry(
     _ancestry_kernel[(batch, triton.cdiv(n_slots, rows))](
         parents, ancestors, bits, mask_out, n_slots, depth, n_words,
         ROWS=rows, WP=next_pow2(n_words), GROUP=min(4, next_pow2(n_words)),
-        MASK=mask is not None, num_warps=4,
+        MASK=mask is not None, **pdl_args(parents.device), num_warps=4,
     )  # fmt: skip

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.kernels._common import next_pow2, sort_size
+from ddtree.kernels._common import next_pow2, pdl_args, sort_size
 from ddtree.kernels.ancestry import ancestry
 from ddtree.kernels.tree_build import _tree_kernel
 from ddtree.kernels.vocab_topk import VocabWorkspace, draft_topk_fused, vocab_workspace
@@ -137,7 +137,7 @@ def tree_from_ranked_fused(
         tree.tokens, tree.parents, tree.depths, tree.scores, tree.num_nodes,
         CHAIN=chain_seed, BP=beam, LOG2_BP=beam.bit_length() - 1, KP=next_pow2(k),
         LOG2_KP=next_pow2(k).bit_length() - 1, DP=next_pow2(depth), NP=next_pow2(budget + 1),
-        S1=min(64, beam), S2=min(256, beam),
+        S1=min(64, beam), S2=min(256, beam), **pdl_args(logprobs.device),
         num_warps=tree_num_warps(budget),
     )  # fmt: skip
     ancestry(tree.parents, depth, tree.ancestors, tree.ancestor_bits, tree.mask)

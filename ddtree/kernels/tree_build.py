@@ -39,6 +39,7 @@ from ddtree.kernels._common import (
     pack_key,
     packed_index,
     packed_value,
+    pdl_enter,
 )
 
 EMPTY = tl.constexpr(-(2**63))  # an empty key slot: below every packed key
@@ -165,8 +166,9 @@ def _tree_kernel(
     tokens_ptr, parents_ptr, depths_ptr, scores_ptr, num_nodes_ptr,
     CHAIN: tl.constexpr, BP: tl.constexpr, LOG2_BP: tl.constexpr, KP: tl.constexpr,
     LOG2_KP: tl.constexpr, DP: tl.constexpr, NP: tl.constexpr,
-    S1: tl.constexpr, S2: tl.constexpr,
+    S1: tl.constexpr, S2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     req = tl.program_id(0)
     pos = tl.arange(0, BP)
     kk = tl.arange(0, KP)

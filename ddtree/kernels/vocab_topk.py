@@ -43,6 +43,8 @@ from ddtree.kernels._common import (
     order_key,
     pack_key,
     packed_index,
+    pdl_args,
+    pdl_enter,
     sort_size,
 )
 from ddtree.tree import LOGPROB_FLOOR
@@ -71,8 +73,9 @@ def _row_base(logits_ptr, row, depth, s_b, s_d):
 @triton.jit
 def _segment_kernel(
     logits_ptr, s_b, s_d, depth, vocab, stats_ptr, chunks_ptr,
-    SEGMENT: tl.constexpr, CHUNK: tl.constexpr,
+    SEGMENT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     seg = tl.program_id(1)
     num_seg = tl.num_programs(1)
@@ -95,8 +98,9 @@ def _segment_kernel(
 @triton.jit
 def _threshold_kernel(
     stats_ptr, chunks_ptr, lse_ptr, thresh_ptr, count_ptr, num_seg, n_chunks, k, slack,
-    NK: tl.constexpr, SEG_P: tl.constexpr,
+    NK: tl.constexpr, SEG_P: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     seg = tl.arange(0, SEG_P)
     real = seg < num_seg
@@ -130,7 +134,9 @@ def _threshold_kernel(
 def _compact_kernel(
     logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, count_ptr, buf_ptr, chunks_ptr,
     CAP: tl.constexpr, SEGMENT: tl.constexpr, CHUNK: tl.constexpr, TILE_CH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     seg = tl.program_id(1)
     NCH: tl.constexpr = SEGMENT // CHUNK
@@ -282,9 +288,10 @@ def _select_kernel(
     logprobs_ptr, ids_ptr, k, floor,
     CAP_SMALL: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr,
     RANK: tl.constexpr, RANK_BLOCK: tl.constexpr, RANK_SUB: tl.constexpr,
-    RANK_TILE: tl.constexpr,
+    RANK_TILE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (rows, CAP_SMALL // RANK_BLOCK) with RANK, else (rows, 1)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     buf = buf_ptr + row * CAP
     num = tl.load(count_ptr + row)
@@ -402,19 +409,20 @@ def draft_topk_fused(
     logprobs, token_ids = out
     rows = batch * depth
     s_b, s_d = draft_logits.stride(0), draft_logits.stride(1)
+    launch = pdl_args(device)
     _segment_kernel[(rows, num_seg)](
         draft_logits, s_b, s_d, depth, vocab, ws.stats, ws.chunks,
-        SEGMENT=segment, CHUNK=chunk, num_warps=8,
+        SEGMENT=segment, CHUNK=chunk, **launch, num_warps=8,
     )  # fmt: skip
     _threshold_kernel[(rows,)](
         ws.stats, ws.chunks, ws.lse, ws.thresh, ws.count, num_seg, n_chunks, k,
         threshold_slack(k, cap_small), NK=next_pow2(n_chunks), SEG_P=next_pow2(num_seg),
-        num_warps=threshold_num_warps(n_chunks),
+        **launch, num_warps=threshold_num_warps(n_chunks),
     )  # fmt: skip
     _compact_kernel[(rows, num_seg)](
         draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.buf, ws.chunks,
         CAP=cap, SEGMENT=segment, CHUNK=chunk, TILE_CH=min(segment // chunk, 2048 // chunk),
-        num_warps=8,
+        **launch, num_warps=8,
     )  # fmt: skip
     blocks = rank_blocks(rows, cap_small, device)
     _select_kernel[(rows, blocks)](
@@ -423,6 +431,6 @@ def draft_topk_fused(
         CAP_SMALL=cap_small, CAP=cap, KP=sort_size(k), TILE=min(segment, 4096),
         RANK=blocks > 1, RANK_BLOCK=cap_small // blocks,
         RANK_SUB=min(RANK_SUB, cap_small // blocks), RANK_TILE=RANK_TILE,
-        num_warps=select_num_warps(cap),
+        **launch, num_warps=select_num_warps(cap),
     )  # fmt: skip
     return logprobs, token_ids
