@@ -20,9 +20,9 @@
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
-#   TREE_WARPS="default 8" bash benchmarks/h200.sh treetime  # tree timings only (~1 min each;
-#                                    # SELECT_WARPS="default sort 32": the top-k kernel by
-#                                    # ranks, by one sort per row, at 32 warps)
+#   TREE_RUNS="default/rank/1 32/sort/0" bash benchmarks/h200.sh treetime  # tree timings only
+#                                    # (~1 min per run; tree warps / top-k kernel / PDL: see
+#                                    # the mode below; default: rank/sort x PDL on/off)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree-15, ddtree-63, one
 #                                    # engine per run (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
@@ -145,21 +145,21 @@ chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, 
     echo "$dtype"; grep -E "^dflash|^ddtree15|same outputs" "$OUT/chain15_$dtype.txt" | cut -c1-400
   done
   ;;
-treetime)  # fused tree kernels' timings only, for each tree-kernel warp count in TREE_WARPS
-  # and each top-k (select) kernel setting in SELECT_WARPS: a warp count, "default", or "sort"
-  # (the usual case by one bitonic top-k per row instead of ranks)
-  for warps in ${TREE_WARPS:-default}; do
-    for select in ${SELECT_WARPS:-default sort}; do
-      name=w$warps$([ "$select" = default ] || echo "_s$select")
-      select_flag=
-      [ "$select" = sort ] && select_flag=--select-sort
-      [ "$select" != sort ] && [ "$select" != default ] && select_flag="--select-warps $select"
-      timeout 200 python3 benchmarks/tree.py --device cuda --impl fused --vocabs 151936 \
-        --batches 1,32 --budgets 255,1024 --no-reference $select_flag \
-        $([ "$warps" = default ] || echo --tree-warps "$warps") \
-        --out "$OUT/tree_$name.json" > "$OUT/tree_$name.txt" 2>&1
-      echo "tree warps $warps, select $select"; tail -6 "$OUT/tree_$name.txt"
-    done
+treetime)  # fused tree kernels' timings only, one run per TREE_RUNS entry
+  # WARPS/SELECT/PDL: the tree kernel's warps ("default" or a count), the top-k kernel's usual
+  # case ("rank": by ranks when rows are few, the default; "sort": one bitonic top-k per row; or
+  # a warp count, by ranks), programmatic dependent launch between the kernels (1, 0)
+  for run in ${TREE_RUNS:-default/rank/1 default/sort/0 default/rank/0 default/sort/1}; do
+    IFS=/ read -r warps select pdl <<< "$run"
+    name=w${warps}_$select$([ "$pdl" = 1 ] && echo _pdl)
+    flags=
+    [ "$select" = sort ] && flags=--select-sort
+    [ "$select" != sort ] && [ "$select" != rank ] && flags="--select-warps $select"
+    [ "$warps" != default ] && flags="$flags --tree-warps $warps"
+    DDTREE_PDL=$pdl timeout 200 python3 benchmarks/tree.py --device cuda --impl fused \
+      --vocabs 151936 --batches 1,32 --budgets 255,1024 --no-reference $flags \
+      --out "$OUT/tree_$name.json" > "$OUT/tree_$name.txt" 2>&1
+    echo "tree warps $warps, select $select, pdl $pdl"; tail -6 "$OUT/tree_$name.txt"
   done
   ;;
 bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "auto", c=1 and 8,

@@ -239,11 +239,19 @@ def main() -> None:
         "tree_warps": args.tree_warps,
         "select_warps": args.select_warps,
         "select_by_rank": not args.select_sort,
+        "pdl": device == "cuda" and pdl_on(),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(info, indent=1) + "\n")
     print(table(rows))
+
+
+def pdl_on() -> bool:
+    """Whether the fused kernels launch with programmatic dependent launch here."""
+    from ddtree.kernels._common import pdl
+
+    return pdl(torch.device("cuda", torch.cuda.current_device()))
 
 
 def table(rows: list[dict]) -> str:
