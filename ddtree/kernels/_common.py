@@ -24,6 +24,16 @@ def sort_size(n: int) -> int:
     return max(16, next_pow2(n))
 
 
+def _pdl_setting() -> bool:
+    value = os.environ.get("DDTREE_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"DDTREE_PDL must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+PDL_SETTING = _pdl_setting()  # read once, at import
+
+
 @functools.cache
 def _pdl_device(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -34,7 +44,7 @@ def pdl(device: torch.device) -> bool:
     interpreter; ``DDTREE_PDL=0`` turns it off). Each kernel of the chain may then be scheduled
     while its predecessor still runs (the launch latency, ~2-4 us a boundary, hidden at batch 1)
     and waits in :func:`pdl_enter` before touching memory."""
-    if device.type != "cuda" or os.environ.get("DDTREE_PDL", "1") == "0":
+    if device.type != "cuda" or not PDL_SETTING:
         return False
     return _pdl_device(device)
 
