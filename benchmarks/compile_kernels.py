@@ -97,8 +97,6 @@ def kernels_for(batch: int, depth: int, vocab: int, budget: int, dtype: str, arc
          "picked_ptr": "*i64", "logprobs_ptr": "*fp32", "ids_ptr": "*i64", "k": "i32",
          "floor": "fp32"},
         {"CAP_SMALL": cap_small, "CAP": cap, "KP": sort_size(k), "TILE": min(segment, 4096),
-         "RANK": True, "RANK_BLOCK": cap_small // 8,
-         "RANK_SUB": min(vocab_topk.RANK_SUB, cap_small // 8), "RANK_TILE": vocab_topk.RANK_TILE,
          "PDL": True},
         vocab_topk.select_num_warps(cap), arch,
     )  # fmt: skip

@@ -20,9 +20,9 @@
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
-#   TREE_RUNS="default/rank/1 32/sort/0" bash benchmarks/h200.sh treetime  # tree timings only
-#                                    # (~1 min per run; tree warps / top-k kernel / PDL: see
-#                                    # the mode below; default: rank/sort x PDL on/off)
+#   TREE_RUNS="default/default/1 32/8/0" bash benchmarks/h200.sh treetime  # tree timings only
+#                                    # (~1 min per run; tree kernel warps / top-k kernel warps /
+#                                    # PDL; default: PDL on, off)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree-15, ddtree-63, one
 #                                    # engine per run (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
@@ -146,20 +146,18 @@ chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, 
   done
   ;;
 treetime)  # fused tree kernels' timings only, one run per TREE_RUNS entry
-  # WARPS/SELECT/PDL: the tree kernel's warps ("default" or a count), the top-k kernel's usual
-  # case ("rank": by ranks when rows are few, the default; "sort": one bitonic top-k per row; or
-  # a warp count, by ranks), programmatic dependent launch between the kernels (1, 0)
-  for run in ${TREE_RUNS:-default/rank/1 default/sort/0 default/rank/0 default/sort/1}; do
+  # WARPS/SELECT/PDL: the tree kernel's warps and the top-k kernel's ("default" or a count),
+  # programmatic dependent launch between the kernels (1, 0)
+  for run in ${TREE_RUNS:-default/default/1 default/default/0}; do
     IFS=/ read -r warps select pdl <<< "$run"
-    name=w${warps}_$select$([ "$pdl" = 1 ] && echo _pdl)
+    name=w${warps}_s$select$([ "$pdl" = 1 ] && echo _pdl)
     flags=
-    [ "$select" = sort ] && flags=--select-sort
-    [ "$select" != sort ] && [ "$select" != rank ] && flags="--select-warps $select"
+    [ "$select" != default ] && flags="--select-warps $select"
     [ "$warps" != default ] && flags="$flags --tree-warps $warps"
     DDTREE_PDL=$pdl timeout 200 python3 benchmarks/tree.py --device cuda --impl fused \
       --vocabs 151936 --batches 1,32 --budgets 255,1024 --no-reference $flags \
       --out "$OUT/tree_$name.json" > "$OUT/tree_$name.txt" 2>&1
-    echo "tree warps $warps, select $select, pdl $pdl"; tail -6 "$OUT/tree_$name.txt"
+    echo "tree warps $warps, select warps $select, pdl $pdl"; tail -6 "$OUT/tree_$name.txt"
   done
   ;;
 bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "auto", c=1 and 8,

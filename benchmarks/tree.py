@@ -170,16 +170,7 @@ def main() -> None:
     parser.add_argument(
         "--select-warps", type=int, help="override the vocabulary stage's top-k kernel's warps"
     )
-    parser.add_argument(
-        "--select-sort",
-        action="store_true",
-        help="the top-k kernel's usual case by one bitonic top-k per row, not by ranks",
-    )
     args = parser.parse_args()
-    if args.select_sort:
-        from ddtree.kernels import vocab_topk
-
-        vocab_topk.SELECT_BY_RANK = False
     if args.tree_warps:
         from ddtree.kernels import build
 
@@ -238,7 +229,6 @@ def main() -> None:
         "impl": args.impl,
         "tree_warps": args.tree_warps,
         "select_warps": args.select_warps,
-        "select_by_rank": not args.select_sort,
         "pdl": device == "cuda" and pdl_on(),
         "rows": rows,
     }

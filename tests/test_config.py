@@ -372,7 +372,7 @@ def test_v2_default_schedule_keeps_every_verify_in_a_full_graph():
     """With no ``ddtree_budget_per_batch_size`` and several workers (tensor parallel: "auto"
     needs one) the V2 runner verifies per request bucket the widest tree whose verify fits
     vLLM's full-graph limit (512 tokens unless configured), down to the chain; "fixed",
-    "auto", a given schedule, a budget within the chain and hybrid targets are left alone."""
+    "auto", a given schedule and a budget within the chain are left alone."""
     from types import SimpleNamespace
 
     from ddtree.vllm_plugin.config import apply_default_schedule, parse_options
@@ -380,14 +380,14 @@ def test_v2_default_schedule_keeps_every_verify_in_a_full_graph():
     draft = SimpleNamespace(hf_config=SimpleNamespace(block_size=16))  # D = 15
     two_gpus = SimpleNamespace(distributed_executor_backend="mp", world_size=2)
 
-    def applied(keys: dict, capture=None, hybrid=False):
+    def applied(keys: dict, capture=None):
         spec, options = parse_options({"method": "ddtree", "model": "d", **keys})
         vllm_spec = SimpleNamespace(
             draft_model_config=draft,
             num_speculative_tokens_per_batch_size=spec.get("num_speculative_tokens_per_batch_size"),
         )
         compilation = SimpleNamespace(max_cudagraph_capture_size=capture)
-        apply_default_schedule(vllm_spec, options, compilation, hybrid, two_gpus)
+        apply_default_schedule(vllm_spec, options, compilation, two_gpus)
         assert options.budget_schedule == (
             None
             if vllm_spec.num_speculative_tokens_per_batch_size is None or options.auto_budget
@@ -407,7 +407,6 @@ def test_v2_default_schedule_keeps_every_verify_in_a_full_graph():
     assert applied({"ddtree_budget": 1023})[0] == [1, 1, 511]  # 1 x 1024 tokens: no graph
     assert applied({"ddtree_budget": 15}) is None  # the chain: nothing to schedule
     assert applied({"ddtree_budget": 255, "ddtree_budget_per_batch_size": "fixed"}) is None
-    assert applied({"ddtree_budget": 255}, hybrid=True) is None
     given = [[1, 4, 64], [5, 8, 15]]
     assert applied({"ddtree_budget": 64, "ddtree_budget_per_batch_size": given}) == given
     auto = applied({"ddtree_budget": 64, "ddtree_budget_per_batch_size": "auto"})
@@ -417,8 +416,7 @@ def test_v2_default_schedule_keeps_every_verify_in_a_full_graph():
 def test_v2_default_on_one_gpu_is_auto():
     """With no ``ddtree_budget_per_batch_size`` and the engine's one worker in the scheduler's
     process (``uni``, world size 1: one GPU) the budgets are chosen by throughput ("auto", set
-    up as parse_options sets it); a given setting, a chain-sized budget and hybrid targets
-    are left alone."""
+    up as parse_options sets it); a given setting and a chain-sized budget are left alone."""
     from types import SimpleNamespace
 
     from ddtree.vllm_plugin.config import apply_default_schedule, parse_options
@@ -427,25 +425,21 @@ def test_v2_default_on_one_gpu_is_auto():
     one_gpu = SimpleNamespace(distributed_executor_backend="uni", world_size=1)
     compilation = SimpleNamespace(max_cudagraph_capture_size=None)
 
-    def applied(keys: dict, hybrid=False):
+    def applied(keys: dict):
         spec, options = parse_options({"method": "ddtree", "model": "d", **keys})
         vllm_spec = SimpleNamespace(
             draft_model_config=draft,
             num_speculative_tokens_per_batch_size=spec.get("num_speculative_tokens_per_batch_size"),
         )
-        apply_default_schedule(vllm_spec, options, compilation, hybrid, one_gpu)
+        apply_default_schedule(vllm_spec, options, compilation, one_gpu)
         return vllm_spec.num_speculative_tokens_per_batch_size, options
 
     lookup, options = applied({"ddtree_budget": 255})
     _, given_auto = applied({"ddtree_budget": 255, "ddtree_budget_per_batch_size": "auto"})
     assert lookup == [[1, 1, 255]] and options == given_auto
     assert options.auto_budget and options.budget_schedule is None
-    for keys, hybrid in (
-        ({"ddtree_budget_per_batch_size": "fixed"}, False),
-        ({"ddtree_budget_per_batch_size": [[1, 4, 64], [5, 8, 15]]}, False),
-        ({}, True),
-    ):
-        lookup, options = applied({"ddtree_budget": 64, **keys}, hybrid)
+    for setting in ("fixed", [[1, 4, 64], [5, 8, 15]]):
+        lookup, options = applied({"ddtree_budget": 64, "ddtree_budget_per_batch_size": setting})
         assert not options.auto_budget
     lookup, options = applied({"ddtree_budget": 15})
     assert lookup is None and not options.auto_budget  # the chain: nothing to choose

@@ -83,26 +83,18 @@ else:
         st.sampled_from((*KINDS, "sorted", "block")),
         st.sampled_from(DTYPES),
         st.sampled_from((256, 1024)),  # tokens per program: several programs per row
-        st.booleans(),  # the usual case by ranks (else the bitonic top-k)
         st.integers(0, 2**31 - 1),
     )
-    def test_vocab_stage(batch, depth, vocab, k, kind, dtype, segment, by_rank, seed):
+    def test_vocab_stage(batch, depth, vocab, k, kind, dtype, segment, seed):
         make = clustered_logits if kind in ("sorted", "block") else make_logits
         logits = make(kind, batch, depth, vocab, seed).to(dtype)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(vocab_topk, "SEGMENT", segment)
-            patch.setattr(vocab_topk, "SELECT_BY_RANK", by_rank)
-            # Several blocks per row at MIN_CAP 64, of several sub-blocks and tiles each.
-            patch.setattr(vocab_topk, "INTERPRETER_SMS", 32)
-            patch.setattr(vocab_topk, "RANK_SUB", 8)
-            patch.setattr(vocab_topk, "RANK_TILE", 32)
             check_vocab(logits, min(k, vocab))
 
-    @pytest.mark.parametrize("by_rank", [True, False])
-    def test_vocab_stage_edges(by_rank):
+    def test_vocab_stage_edges():
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(vocab_topk, "SEGMENT", 256)
-            patch.setattr(vocab_topk, "SELECT_BY_RANK", by_rank)
             # Every token tied (the exact fallback), k = V, -0.0 next to +0.0, a single token.
             check_vocab(torch.zeros(1, 2, 700), 32)
             check_vocab(make_logits("normal", 1, 1, 30, 0), 30)

@@ -15,13 +15,10 @@ row, so the top-``k`` by logit are the top-``k`` by log-prob. Four launches, no 
 3. ``_compact_kernel`` (rows x P): the survivors appended to a per-row buffer as int64 sort keys
    (float order bits << 32 | 2**31 - 1 - id, all distinct), one atomic per segment; only the
    chunks whose maximum reaches T are read.
-4. ``_select_kernel`` (rows x blocks): up to ``2 k`` survivors (the usual case): a bitonic
-   top-k per row; or, when rows are few (blocks > 1: :func:`rank_blocks`), each survivor's
-   rank = the number of larger survivors (keys are distinct), the ones ranked below ``k``
-   stored at their rank, a block of survivors per program. Up to the buffer's ``16 k`` (one
-   program per row): the k-th key and then the k-th id among its ties found by bisection over
-   the buffered survivors, the k winners compacted and sorted. More (heavy ties): the same
-   bisection over the whole row, then the winners in id order (exact, slower).
+4. ``_select_kernel`` (rows): up to ``2 k`` survivors: a bitonic top-k of the buffer (the usual
+   case). Up to the buffer's ``16 k``: the k-th key and then the k-th id among its ties found by
+   bisection over the buffered survivors, the k winners compacted and sorted. More (heavy ties):
+   the same bisection over the whole row, then the winners in id order (exact, slower).
 
 Ids and order are exact. Log-probs are ``logit - lse`` exactly in float32 for this kernel's lse,
 which differs from ``torch.logsumexp`` only by float rounding of the sum (the tests allow 1e-5 *
@@ -30,7 +27,6 @@ max(1, |lse|)).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,16 +49,6 @@ SEGMENT = 8192  # tokens of a row per program in the streaming kernels (32 per t
 MAX_CHUNK = 16  # tokens per chunk maximum; smaller only when the row has too few chunks
 MIN_CAP = 256  # survivors the select kernel's top-k network takes at least (else 2 k)
 MAX_CAP = 16384  # survivors a row's buffer holds at most (16 k at most without ties)
-# The usual case (<= cap_small survivors) by ranks when a row's one bitonic top-k program would
-# leave the GPU idle (batch 1, B=1024: 15 programs of 2,048 keys, ~20 us on an H100): each row's
-# survivors in blocks, one program per block, compared with all of the row's survivors
-# (RANK_SUB x RANK_TILE at a time); about RANK_WAVES x (SM count) programs in all. With more
-# rows than that, one bitonic top-k per row as before. SELECT_BY_RANK = False: always the latter.
-SELECT_BY_RANK = True
-RANK_WAVES = 1
-RANK_SUB = 64
-RANK_TILE = 256
-INTERPRETER_SMS = 16  # the SM count assumed under TRITON_INTERPRET (CPU tensors)
 
 
 @triton.jit
@@ -213,38 +199,21 @@ def _kth_of_row(base, vocab, lo, hi, k, TILE: tl.constexpr):
 
 
 @triton.jit
-def _rank_block(buf, num, k, lse, floor, logprobs_ptr, ids_ptr, out_row,
-                BLOCK: tl.constexpr, SUB: tl.constexpr, RANK_TILE: tl.constexpr):  # fmt: skip
-    """Block ``program_id(1)`` of the survivors ``buf [num]``: each key's rank = the number of
-    larger keys (keys are distinct, so ranks are too), and the keys ranked below ``k`` stored at
-    their rank. No sort: the blocks of a row run side by side."""
-    for first_mine in tl.static_range(0, BLOCK, SUB):
-        mine = tl.program_id(1) * BLOCK + first_mine + tl.arange(0, SUB)
-        real = mine < num
-        key = tl.load(buf + mine, mask=real, other=0)  # [SUB]
-        rank = tl.zeros([SUB], tl.int32)
-        for first in range(0, num, RANK_TILE):
-            other = first + tl.arange(0, RANK_TILE)
-            them = tl.load(buf + other, mask=other < num, other=-(2**63))  # [RANK_TILE]
-            rank += tl.sum((them[None, :] > key[:, None]).to(tl.int32), 1)
-        keep = real & (rank < k)
-        value = key_value((key >> 32).to(tl.int32))
-        tl.store(logprobs_ptr + out_row + rank, tl.maximum(value - lse, floor), mask=keep)
-        tl.store(ids_ptr + out_row + rank, packed_index(key).to(tl.int64), mask=keep)
-
-
-@triton.jit
-def _select_one_program(
-    logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, num, lse, buf, picked, logprobs_ptr,
-    ids_ptr, row, k, floor,
+def _select_kernel(
+    logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, count_ptr, lse_ptr, buf_ptr, picked_ptr,
+    logprobs_ptr, ids_ptr, k, floor,
     CAP_SMALL: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """A row's top-k in one program: the bitonic top-k of <= ``CAP_SMALL`` survivors, else the
-    exact k winners into ``picked``, then sorted."""
-    if num <= CAP_SMALL:
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    buf = buf_ptr + row * CAP
+    picked = picked_ptr + row * KP
+    num = tl.load(count_ptr + row)
+    if num <= CAP_SMALL:  # the usual case: a bitonic top-k of the survivors
         slot = tl.arange(0, CAP_SMALL)
         best = tl.topk(tl.load(buf + slot, mask=slot < num, other=-(2**63)), KP)
-    else:
+    else:  # exactly k winners into `picked`, then sorted
         lo = tl.load(thresh_ptr + 2 * row).to(tl.int64)
         hi = tl.load(thresh_ptr + 2 * row + 1).to(tl.int64)
         if num <= CAP:
@@ -277,33 +246,10 @@ def _select_one_program(
         best = tl.sort(tl.load(picked + rank, mask=rank < k, other=-(2**63)), descending=True)
     rank = tl.arange(0, KP)
     value = key_value((best >> 32).to(tl.int32))
+    logprob = tl.maximum(value - tl.load(lse_ptr + row), floor)
     out = row * k + rank
-    tl.store(logprobs_ptr + out, tl.maximum(value - lse, floor), mask=rank < k)
+    tl.store(logprobs_ptr + out, logprob, mask=rank < k)
     tl.store(ids_ptr + out, packed_index(best).to(tl.int64), mask=rank < k)
-
-
-@triton.jit
-def _select_kernel(
-    logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, count_ptr, lse_ptr, buf_ptr, picked_ptr,
-    logprobs_ptr, ids_ptr, k, floor,
-    CAP_SMALL: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr,
-    RANK: tl.constexpr, RANK_BLOCK: tl.constexpr, RANK_SUB: tl.constexpr,
-    RANK_TILE: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Grid (rows, CAP_SMALL // RANK_BLOCK) with RANK, else (rows, 1)."""
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    buf = buf_ptr + row * CAP
-    num = tl.load(count_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    if RANK and num <= CAP_SMALL:  # the usual case, block-parallel
-        _rank_block(buf, num, k, lse, floor, logprobs_ptr, ids_ptr, row * k, RANK_BLOCK,
-                    RANK_SUB, RANK_TILE)  # fmt: skip
-    elif tl.program_id(1) == 0:
-        _select_one_program(
-            logits_ptr, s_b, s_d, depth, vocab, thresh_ptr, num, lse, buf, picked_ptr + row * KP,
-            logprobs_ptr, ids_ptr, row, k, floor, CAP_SMALL, CAP, KP, TILE,
-        )  # fmt: skip
 
 
 @dataclass
@@ -344,25 +290,6 @@ def threshold_num_warps(n_chunks: int) -> int:
 
 def select_num_warps(cap: int) -> int:
     return 16 if cap > 4096 else (8 if cap > 512 else 4)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def rank_blocks(rows: int, cap_small: int, device: torch.device) -> int:
-    """Programs per row of the select kernel's usual case: a power of two keeping ``rows`` x it
-    within RANK_WAVES x (SM count) and blocks >= RANK_SUB survivors; 1 = one bitonic top-k."""
-    if not SELECT_BY_RANK:
-        return 1
-    budget = RANK_WAVES * _sm_count(device)
-    blocks = 1
-    while rows * blocks * 2 <= budget and cap_small // (blocks * 2) >= RANK_SUB:
-        blocks *= 2
-    return blocks
 
 
 def vocab_workspace(
@@ -424,13 +351,10 @@ def draft_topk_fused(
         CAP=cap, SEGMENT=segment, CHUNK=chunk, TILE_CH=min(segment // chunk, 2048 // chunk),
         **launch, num_warps=8,
     )  # fmt: skip
-    blocks = rank_blocks(rows, cap_small, device)
-    _select_kernel[(rows, blocks)](
+    _select_kernel[(rows,)](
         draft_logits, s_b, s_d, depth, vocab, ws.thresh, ws.count, ws.lse, ws.buf, ws.picked,
         logprobs, token_ids, k, LOGPROB_FLOOR,
         CAP_SMALL=cap_small, CAP=cap, KP=sort_size(k), TILE=min(segment, 4096),
-        RANK=blocks > 1, RANK_BLOCK=cap_small // blocks,
-        RANK_SUB=min(RANK_SUB, cap_small // blocks), RANK_TILE=RANK_TILE,
         **launch, num_warps=select_num_warps(cap),
     )  # fmt: skip
     return logprobs, token_ids

@@ -323,9 +323,7 @@ def uses_v2_runner() -> bool:
     return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("0", "false")
 
 
-def apply_default_schedule(
-    spec, options: DDTreeOptions, compilation, hybrid: bool, parallel=None
-) -> None:
+def apply_default_schedule(spec, options: DDTreeOptions, compilation, parallel=None) -> None:
     """On the V2 runner with no ``ddtree_budget_per_batch_size``, on vLLM's built
     ``SpeculativeConfig`` ``spec`` (read by its scheduler and the runner's graph manager, in
     every process) and on ``options``: ``"auto"`` (budgets per batch size chosen by throughput
@@ -333,13 +331,13 @@ def apply_default_schedule(
     (``parallel``: ``distributed_executor_backend`` "uni", world size 1, i.e. one GPU), which
     "auto" needs; otherwise (several workers) the schedule of ``tuner.default_schedule``: per
     request bucket the widest tree whose verify fits a full CUDA graph. ``"fixed"`` keeps B at
-    every batch size; hybrid targets keep it too (a schedule on them, its tree width changing
-    under the GDN stash and replay, is CPU-tested but has not run on a GPU yet: equality cases
-    ``hybrid_ddtreesched_30`` / ``hybrid_ddtreeauto_30``), and so does a budget within the
-    chain (nothing to choose)."""
+    every batch size, and so does a budget within the chain (nothing to choose). Hybrid targets
+    too: a tree width changing between a request's steps under the GDN stash and replay gives
+    what a fixed width gives (H100 equality cases ``hybrid_ddtreesched_30`` /
+    ``hybrid_ddtreeauto_30``, 2026-12-07)."""
     from ddtree.vllm_plugin.tuner import default_schedule
 
-    if options.budget_schedule or options.auto_budget or options.fixed_budget or hybrid:
+    if options.budget_schedule or options.auto_budget or options.fixed_budget:
         return
     depth = draft_depth(spec)
     if options.budget <= depth:

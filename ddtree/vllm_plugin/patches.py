@@ -86,9 +86,8 @@ def _patch_config() -> None:
         finally:
             self.speculative_config = {**spec, "method": "ddtree"}
         if current_platform.is_cuda() and config.uses_v2_runner():
-            hybrid = target_model_config.is_hybrid
             config.apply_default_schedule(
-                result, options, self.compilation_config, hybrid, target_parallel_config
+                result, options, self.compilation_config, target_parallel_config
             )
             config.widen_graph_capture(self, options)
         result.ddtree = options  # a plain attribute: it travels with the pickled config
