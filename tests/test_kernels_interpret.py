@@ -38,6 +38,17 @@ if not INTERPRETING:
         )
         assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
 
+    def test_pdl_setting_is_checked_and_off_for_cpu_tensors():
+        pytest.importorskip("triton")
+        from ddtree.kernels._common import pdl_args
+
+        assert pdl_args(torch.device("cpu")) == {"PDL": False}
+        env = {**os.environ, "DDTREE_PDL": "yes"}
+        done = subprocess.run(
+            [sys.executable, "-c", "import ddtree.kernels"], env=env, capture_output=True, text=True
+        )
+        assert done.returncode != 0 and "DDTREE_PDL must be 0 or 1, got 'yes'" in done.stderr
+
     def test_fused_path_refuses_cpu_tensors():
         pytest.importorskip("triton")
         from ddtree import kernels
