@@ -57,8 +57,8 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "hybrid_dflash",
     "hybrid_ddtree_15",
     "hybrid_ddtree_30",  # B <= vocab - 2 (32 words): vLLM's warm-up ids
-    # Budgets per batch size on the hybrid target (not its default yet: the tree width changes
-    # between steps of a request, and the GDN stash and replay with it).
+    # Budgets per batch size on the hybrid target (its V2 default since 2026-12-07): the tree
+    # width changes between steps of a request, and the GDN stash and replay with it.
     "hybrid_ddtreesched_30",
     "hybrid_ddtreeauto_30",
 ]
