@@ -22,7 +22,8 @@
 #   bash benchmarks/h200.sh chain15  # chain vs DDTree B=15 acceptance, bf16 + float32 (~3 min)
 #   TREE_RUNS="default/default/1 32/8/0" bash benchmarks/h200.sh treetime  # tree timings only
 #                                    # (~1 min per run; tree kernel warps / top-k kernel warps /
-#                                    # PDL; default: PDL on, off)
+#                                    # PDL; default: PDL on, off; TREE_AB=x.patch: each run
+#                                    # also with that patch applied, an A/B in turns)
 #   bash benchmarks/h200.sh bench27b # Qwen3.6-27B shapes: ar, mtp, dflash, ddtree-15, ddtree-63, one
 #                                    # engine per run (BENCH27B_METHODS)
 #                                    # (~56 GB weights per engine; ~15 min: detach it)
@@ -147,17 +148,28 @@ chain15)  # vLLM's chain vs DDTree B=15 (the same chain as a tree): acceptance, 
   ;;
 treetime)  # fused tree kernels' timings only, one run per TREE_RUNS entry
   # WARPS/SELECT/PDL: the tree kernel's warps and the top-k kernel's ("default" or a count),
-  # programmatic dependent launch between the kernels (1, 0)
+  # programmatic dependent launch between the kernels (1, 0). TREE_AB=a.patch: each run
+  # also on a copy of the tree with that patch applied (tree_<run>_ab.*), in turns.
+  trees=.
+  if [ -n "${TREE_AB:-}" ]; then
+    rm -rf /tmp/ab && mkdir -p /tmp/ab && tar c --exclude=./.gpukit --exclude=./.git . | tar x -C /tmp/ab
+    patch -d /tmp/ab -p1 < "$TREE_AB" > "$OUT/tree_ab_patch.txt" 2>&1 || { cat "$OUT/tree_ab_patch.txt"; exit 1; }
+    cp "$TREE_AB" "$OUT/"
+    trees=". /tmp/ab"
+  fi
   for run in ${TREE_RUNS:-default/default/1 default/default/0}; do
     IFS=/ read -r warps select pdl <<< "$run"
-    name=w${warps}_s$select$([ "$pdl" = 1 ] && echo _pdl)
     flags=
     [ "$select" != default ] && flags="--select-warps $select"
     [ "$warps" != default ] && flags="$flags --tree-warps $warps"
-    DDTREE_PDL=$pdl timeout 200 python3 benchmarks/tree.py --device cuda --impl fused \
-      --vocabs 151936 --batches 1,32 --budgets 255,1024 --no-reference $flags \
-      --out "$OUT/tree_$name.json" > "$OUT/tree_$name.txt" 2>&1
-    echo "tree warps $warps, select warps $select, pdl $pdl"; tail -6 "$OUT/tree_$name.txt"
+    for tree in $trees; do
+      name=w${warps}_s$select$([ "$pdl" = 1 ] && echo _pdl)$([ "$tree" != . ] && echo _ab)
+      (cd "$tree" && PYTHONPATH=/root/site:$PWD DDTREE_PDL=$pdl timeout 200 python3 \
+        benchmarks/tree.py --device cuda --impl fused --vocabs 151936 --batches 1,32 \
+        --budgets 255,1024 --no-reference $flags --out "$OUT/tree_$name.json") \
+        > "$OUT/tree_$name.txt" 2>&1
+      echo "tree warps $warps, select warps $select, pdl $pdl, tree $tree"; tail -6 "$OUT/tree_$name.txt"
+    done
   done
   ;;
 bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "auto", c=1 and 8,
