@@ -172,6 +172,42 @@ treetime)  # fused tree kernels' timings only, one run per TREE_RUNS entry
     done
   done
   ;;
+bench27b)  # Qwen3.6-27B shapes, dummy weights: no-spec, its MTP layer, the DFlash chain, DDTree
+  # (issue 21). ~56 GB of weights per engine, and a bench starts its engines together: one
+  # engine per bench run (ddtree-B: one budget), one run after another.
+  for run in ${BENCH27B_METHODS:-ar mtp dflash ddtree-15 ddtree-63}; do
+    case $run in
+    ddtree-*) method=ddtree; budget=${run#ddtree-} ;;
+    ddtree) echo "BENCH27B_METHODS: name DDTree's budget, e.g. ddtree-63" >&2; continue ;;
+    *) method=$run; budget=15 ;;  # --budgets is DDTree's only
+    esac
+    timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3.6-27b --methods "$method" \
+      --budgets "$budget" --concurrency 1,8 --temperatures 0 --max-tokens 64 --kv-cache-gib 8 \
+      --repeats 1 --title "Qwen3.6-27B shapes (dummy weights), $run, $GPU" \
+      --out "/tmp/bench_27b/$run" > "$OUT/bench_27b_$run.txt" 2>&1
+    tail -12 "$OUT/bench_27b_$run.txt"
+  done
+  tar czf "$OUT/bench_27b.tgz" -C /tmp/bench_27b --exclude=models .
+  ;;
+newtests)  # the GPU tests of this session's pieces: V2 GDN glue + graph, penalties vs vLLM
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 \
+    tests/test_gpu_gdn.py tests/test_gpu_penalties.py > "$OUT/newtests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/newtests.txt" | tail -12
+  ;;
+pair)
+  timeout 700 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63,255 \
+    --concurrency 1,16,32 --temperatures 0,1 --max-tokens 128 \
+    --title "bundled pair, $GPU" --out /tmp/bench_pair > "$OUT/bench_pair.txt" 2>&1
+  tar czf "$OUT/bench_pair.tgz" -C /tmp/bench_pair --exclude=models .
+  tail -30 "$OUT/bench_pair.txt"
+  ;;
+b15)  # the chain vs DDTree at the chain's size (B=15) and B=63, c=1 and 16, T=0 (issue 19)
+  timeout 500 python3 -m ddtree.cli bench --methods dflash,ddtree --budgets 15,63 \
+    --concurrency 1,16 --temperatures 0 --max-tokens 128 --step-log 20 \
+    --title "bundled pair, $GPU" --out /tmp/bench_b15 > "$OUT/bench_b15.txt" 2>&1
+  tar czf "$OUT/bench_b15.tgz" -C /tmp/bench_b15 --exclude=models .
+  tail -24 "$OUT/bench_b15.txt"
+  ;;
 bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "auto", c=1 and 8,
   # with step periods by kind: issue 19's step targets (B=63 at c=1 <= 1.10x the chain's step)
   timeout 900 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b --methods dflash,ddtree \
