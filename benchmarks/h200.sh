@@ -66,6 +66,9 @@ equality() {  # $1: seconds, $2: cases (default: all)
   tar czf "$OUT/equality.tgz" -C /tmp/eq --exclude=random_target --exclude=random_drafter --exclude=hybrid .
   cut -c1-400 "$OUT/equality.txt" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -20
 }
+copy_tree() {  # $1: a fresh copy of the working tree there (no kit, no .git)
+  rm -rf "$1" && mkdir -p "$1" && tar c --exclude=./.gpukit --exclude=./.git . | tar x -C "$1"
+}
 numerics() {  # bf16 error of the tree kernel vs FlashAttention (decode, chain verify)
   timeout 150 python3 benchmarks/attention_numerics.py --out "$OUT/attention_numerics.json" \
     > "$OUT/attention_numerics.txt" 2>&1
@@ -152,7 +155,7 @@ treetime)  # fused tree kernels' timings only, one run per TREE_RUNS entry
   # also on a copy of the tree with that patch applied (tree_<run>_ab.*), in turns.
   trees=.
   if [ -n "${TREE_AB:-}" ]; then
-    rm -rf /tmp/ab && mkdir -p /tmp/ab && tar c --exclude=./.gpukit --exclude=./.git . | tar x -C /tmp/ab
+    copy_tree /tmp/ab
     patch -d /tmp/ab -p1 < "$TREE_AB" > "$OUT/tree_ab_patch.txt" 2>&1 || { cat "$OUT/tree_ab_patch.txt"; exit 1; }
     cp "$TREE_AB" "$OUT/"
     trees=". /tmp/ab"
@@ -279,7 +282,7 @@ detach)
   mkdir -p /tmp/res && rm -f /tmp/res/done
   # From a copy of the tree: the device tool re-copies the working tree at every call, and
   # a process importing ddtree at that moment fails (seen: pair_ddtree_1023, 2026-12-05).
-  rm -rf /tmp/wt && mkdir -p /tmp/wt && tar c --exclude=./.gpukit --exclude=./.git . | tar x -C /tmp/wt
+  copy_tree /tmp/wt
   cd /tmp/wt
   setsid nohup bash -c 'for m; do echo "$(date +%T) start $m" >> /tmp/res/times;
     OUT=/tmp/res/$m bash benchmarks/h200.sh $m > /tmp/res/$m.log 2>&1;
