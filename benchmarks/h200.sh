@@ -312,7 +312,7 @@ collect)
   [ -f /tmp/res/done ] && echo "all done" || echo "still running: $(ls /tmp/res)"
   ;;
 *)
-  echo "usage: bash benchmarks/h200.sh check|accuracy|smoke|numerics|bench|bench8b|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
+  echo "usage: bash benchmarks/h200.sh check|accuracy|smoke|numerics|bench|bench8b|pair|b15|hybrid|trainhybrid|hybridpair|sched|json|profile|tree|treetime|chain15|gdn|bench27b|newtests|eq|detach MODES|collect S" >&2
   exit 2
   ;;
 esac

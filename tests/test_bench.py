@@ -867,3 +867,18 @@ def test_a_cut_off_run_is_read_back_from_its_engine_logs(tmp_path):
     empty.mkdir()
     failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True)
     assert failed.returncode == 1
+
+
+def test_every_gpu_script_mode_named_has_its_branch():
+    """Each mode that `benchmarks/h200.sh` names (its header's examples, its usage line) and
+    the README's GPU commands have a `mode)` branch: a lost branch only shows on a GPU."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "benchmarks" / "h200.sh").read_text()
+    branches = set(re.findall(r"^([a-z0-9]+)\)", script, re.M))
+    named = set(re.findall(r"h200\.sh ([a-z0-9|]+)", script + (root / "README.md").read_text()))
+    usage = re.search(r'usage: bash benchmarks/h200\.sh ([^"]+)"', script).group(1)
+    modes = {m.split()[0] for part in [*named, usage] for m in part.split("|")}
+    assert modes - branches == set()
+    assert {"bench27b", "bench8b", "accuracy", "check", "treetime", "detach", "collect"} <= modes
