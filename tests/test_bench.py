@@ -882,3 +882,17 @@ def test_every_gpu_script_mode_named_has_its_branch():
     modes = {m.split()[0] for part in [*named, usage] for m in part.split("|")}
     assert modes - branches == set()
     assert {"bench27b", "bench8b", "accuracy", "check", "treetime", "detach", "collect"} <= modes
+
+
+def test_candidate_kernel_patches_apply_to_this_tree():
+    """`h200.sh treetime` A/Bs `benchmarks/patches/*.patch` against HEAD: one that no longer
+    applies would fail only on a GPU, after the kit's device time was spent."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    patches = sorted((root / "benchmarks" / "patches").glob("*.patch"))
+    for patch in patches:
+        done = subprocess.run(
+            ["git", "-C", str(root), "apply", "--check", str(patch)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{patch.name}: {done.stderr}"
