@@ -38,6 +38,11 @@ def _engine(target: Path, spec: dict | None, dtype: str, max_model_len: int):
     else:
         kwargs.update(enforce_eager=True, gpu_memory_utilization=0.1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: engines in sequence
+    # In one process the plugin is ours to register: from a source tree (the GPU host's
+    # PYTHONPATH) vLLM's entry-point loader does not find it.
+    from ddtree.vllm_plugin.patches import register
+
+    register()
     return vllm.LLM(**kwargs)
 
 
