@@ -88,12 +88,13 @@ check)
   cat "$OUT/gpu_tests_tail.txt"
   ;;
 accuracy)  # issue 19's correctness runs side by side (no timings among them, ~14 min): the
-  # soak on the V2 runner (DDTree and vLLM's chain, each against no-spec; SOAK_SECONDS, 600),
-  # started first so that its four servers claim their memory before the check's engines start,
-  # then the check and the per-token logit numerics (on an 80 GB card: 4 soak servers of 2 GiB
-  # KV each, the check's <= 12 engines of 1 GiB, the numerics' engines)
+  # soak on the V2 runner (DDTree, vLLM's chain, and a no-spec server on TRITON_ATTN, each
+  # against a no-spec server on the default backend; SOAK_SECONDS, 600), started first so that
+  # its six servers claim their memory before the check's engines start, then the check and the
+  # per-token logit numerics (on an 80 GB card: 6 soak servers of 2 GiB KV each, the check's
+  # <= 12 engines of 1 GiB, the numerics' engines)
   mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
-  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
+  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
     "${SOAK_SECONDS:-600}" > "$OUT/soak.log" 2>&1 &
   sleep 90
   OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 &

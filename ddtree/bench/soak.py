@@ -70,30 +70,28 @@ def root_cause(log: str, limit: int = 4) -> str:
     return "".join(f"{line}\n" for line in found[:limit])
 
 
+def server_command(budget: int, args, port: int, method: str, under_test: bool) -> list[str]:
+    """``ddtree serve`` for one soak server; ``args.attention_backend`` applies to the server
+    under test only (the no-spec reference keeps vLLM's choice)."""
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--budget", str(budget)]
+    cmd += ["--method", method, "--port", str(port), "--max-num-seqs", str(args.max_num_seqs)]
+    if args.model:
+        cmd += ["--model", args.model] + (["--draft", args.draft] if args.draft else [])
+    cmd += ["--", "--seed", "0", *args.vllm_args]
+    backend = getattr(args, "attention_backend", None)
+    if under_test and backend:
+        cmd += ["--attention-backend", backend]
+    return cmd
+
+
 class Server:
     """``ddtree serve`` on a free loopback port (``budget`` 0: no speculative decoding)."""
 
-    def __init__(self, budget: int, args, log: Path, method: str = "ddtree"):
+    def __init__(self, budget: int, args, log: Path, method: str = "ddtree", under_test=True):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "ddtree.cli",
-            "serve",
-            "--budget",
-            str(budget),
-            "--method",
-            method,
-            "--port",
-            str(self.port),
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-        ]
-        if args.model:
-            cmd += ["--model", args.model] + (["--draft", args.draft] if args.draft else [])
-        cmd += ["--", "--seed", "0", *args.vllm_args]
         self.log = log.open("w")
+        cmd = server_command(budget, args, self.port, method, under_test)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600) -> None:
@@ -350,6 +348,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare", action="store_true", help="also start a no-spec server: compare greedy answers"
     )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM attention backend of the server under test only, e.g. TRITON_ATTN with "
+        "--budget 0: how often a different attention kernel alone parts from no-spec",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
 
@@ -359,7 +363,7 @@ def start_servers(args) -> tuple[Server, Server | None]:
     args.out.mkdir(parents=True, exist_ok=True)
     servers = [Server(args.budget, args, args.out / "server_ddtree.log", args.method)]
     if args.compare:
-        servers.append(Server(0, args, args.out / "server_nospec.log"))
+        servers.append(Server(0, args, args.out / "server_nospec.log", under_test=False))
     try:
         for server in servers:
             server.wait_ready()
