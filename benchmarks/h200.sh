@@ -4,6 +4,8 @@
 #                                    # min in turn on H100s, 2026-12-06: detach it)
 #   bash benchmarks/h200.sh accuracy # the V2 soak (DDTree, chain vs no-spec), check and numerics
 #                                    # side by side (~14 min: detach it; ACCURACY_CHECK=0: no check)
+#   bash benchmarks/h200.sh soak     # the soak alone (SOAK_RUNS, default "soak dflash tritonattn";
+#                                    # SOAK_SECONDS, 600; ~12 min: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
@@ -102,6 +104,11 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   [ "${ACCURACY_CHECK:-1}" = 1 ] && OUT=$OUT/check bash benchmarks/h200.sh check > "$OUT/check.log" 2>&1
   wait
   tail -n 8 "$OUT/check.log" "$OUT/numerics.log" "$OUT/soak.log"
+  ;;
+soak)  # the soak alone: DDTree, vLLM's chain and a no-spec server on TRITON_ATTN, each against a
+  # no-spec server on the default backend, side by side (2 GiB KV each)
+  SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
+    "${SOAK_SECONDS:-600}"
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)
   numerics
