@@ -4,7 +4,7 @@
 #                                    # min in turn on H100s, 2026-12-06: detach it)
 #   bash benchmarks/h200.sh accuracy # the V2 soak (DDTree, chain vs no-spec), check and numerics
 #                                    # side by side (~14 min: detach it; ACCURACY_CHECK=0: no check)
-#   bash benchmarks/h200.sh soak     # the soak alone (SOAK_RUNS, default "soak dflash tritonattn";
+#   bash benchmarks/h200.sh soak     # the soak alone (SOAK_RUNS, default "soak dflash tritonattn soakflash";
 #                                    # SOAK_SECONDS, 600; ~12 min: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
@@ -90,13 +90,13 @@ check)
   cat "$OUT/gpu_tests_tail.txt"
   ;;
 accuracy)  # issue 19's correctness runs side by side (no timings among them, ~14 min): the
-  # soak on the V2 runner (DDTree, vLLM's chain, and a no-spec server on TRITON_ATTN, each
-  # against a no-spec server on the default backend; SOAK_SECONDS, 600), started first so that
-  # its six servers claim their memory before the check's engines start, then the check and the
-  # per-token logit numerics (on an 80 GB card: 6 soak servers of 2 GiB KV each, the check's
-  # <= 12 engines of 1 GiB, the numerics' engines)
+  # soak on the V2 runner (DDTree, vLLM's chain, a no-spec server on TRITON_ATTN and DDTree
+  # with DDTREE_TREE_ATTENTION=flash, each against a no-spec server on the default backend;
+  # SOAK_SECONDS, 600), started first so that its eight servers claim their memory before the
+  # check's engines start, then the check and the per-token logit numerics (on an 80 GB card:
+  # 8 soak servers of 2 GiB KV each, the check's <= 12 engines of 1 GiB, the numerics' engines)
   mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
-  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
+  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn soakflash}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
     "${SOAK_SECONDS:-600}" > "$OUT/soak.log" 2>&1 &
   sleep 90
   OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 &
@@ -105,9 +105,10 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   wait
   tail -n 8 "$OUT/check.log" "$OUT/numerics.log" "$OUT/soak.log"
   ;;
-soak)  # the soak alone: DDTree, vLLM's chain and a no-spec server on TRITON_ATTN, each against a
-  # no-spec server on the default backend, side by side (2 GiB KV each)
-  SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
+soak)  # the soak alone: DDTree, vLLM's chain, a no-spec server on TRITON_ATTN and DDTree with
+  # DDTREE_TREE_ATTENTION=flash, each against a no-spec server on the default backend, side
+  # by side (2 GiB KV each)
+  SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn soakflash}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
     "${SOAK_SECONDS:-600}"
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)

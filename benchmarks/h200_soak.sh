@@ -9,7 +9,8 @@
 # SOAK_SLACK (default 240) s beyond SECONDS is what each soak gets for start-up and draining.
 # SOAK_RUNS (default "soak control"): also "dflash", vLLM's own DFlash chain against no-spec;
 # "tritonattn", a no-spec server on TRITON_ATTN against one on vLLM's default (FlashAttention):
-# how often a different attention kernel alone parts greedy answers from no-spec.
+# how often a different attention kernel alone parts greedy answers from no-spec; "soakflash",
+# DDTree with DDTREE_TREE_ATTENTION=flash (the tree rows' context part by FlashAttention).
 # SOAK_VLLM_ARGS: more vLLM arguments for every server. SOAK_KV: each server's KV cache (8G;
 # the bundled pair needs ~9 MiB per 2,048-token request, so 2G holds ~220 of them).
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
@@ -30,7 +31,9 @@ soak() {  # SECONDS: the SOAK_RUNS soaks side by side, then their files into $WO
     [ $run = control ] && budget=0
     [ $run = dflash ] && method=dflash
     [ $run = tritonattn ] && budget=0 && backend="--attention-backend TRITON_ATTN"
-    ( timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget \
+    tree_attention=auto
+    [ $run = soakflash ] && tree_attention=flash  # DDTree with the context part by FlashAttention
+    ( DDTREE_TREE_ATTENTION=$tree_attention timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget \
         --method $method --duration "$1" \
         --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run $backend \
         -- --kv-cache-memory-bytes ${SOAK_KV:-8G} --gpu-memory-utilization 0.15 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1

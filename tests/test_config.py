@@ -97,6 +97,8 @@ def test_triton_tree_attention_is_refused_on_the_cpu():
 
     with pytest.raises(NotImplementedError, match="DDTREE_TREE_ATTENTION=triton needs a CUDA"):
         check_platform(Settings(tree_attention="triton"))
+    with pytest.raises(NotImplementedError, match="DDTREE_TREE_ATTENTION=flash needs a CUDA"):
+        check_platform(Settings(tree_attention="flash"))
     with pytest.raises(NotImplementedError, match="DDTREE_TREE_KERNELS=fused runs on CUDA"):
         check_platform(Settings(tree_kernels="fused"))
     check_platform(Settings(tree_attention="auto"))
@@ -105,7 +107,7 @@ def test_triton_tree_attention_is_refused_on_the_cpu():
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({"DDTREE_TREE_ATTENTION": "flash"}, "DDTREE_TREE_ATTENTION must be one of"),
+        ({"DDTREE_TREE_ATTENTION": "flashinfer"}, "DDTREE_TREE_ATTENTION must be one of"),
         ({"DDTREE_SYNC_DEBUG": "loud"}, "DDTREE_SYNC_DEBUG must be warn or error"),
         ({"DDTREE_PROFILE": "often"}, "DDTREE_PROFILE must be a number"),
         ({"DDTREE_TREE_KERNELS": "cuda"}, "DDTREE_TREE_KERNELS must be one of"),

@@ -89,3 +89,51 @@ def test_paged_tree_kernel_bf16_and_graph_replay(budget):
             args["query"][r * slots + i][None], rows[..., :HEAD], rows[..., HEAD:], HEAD**-0.5
         )
         torch.testing.assert_close(graph_out[r * slots + i].float(), want[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("budget", [63, 255])
+def test_flash_context_part_and_graph_replay(budget):
+    """``DDTREE_TREE_ATTENTION=flash``: the context part by vLLM's FlashAttention (its output
+    and log-sum-exp into persistent buffers), the tree's slots by the kernel; eager and
+    replayed from a graph captured on other values."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    from ddtree.vllm_plugin.attention.flash import context_attention
+
+    contexts = [300, 1000, 17]
+    args, trees = _batch(0, budget, contexts)
+    slots = budget + 1
+    impl = SimpleNamespace(
+        head_size=HEAD, scale=HEAD**-0.5, vllm_flash_attn_version=get_flash_attn_version()
+    )
+    metadata = SimpleNamespace(
+        query_start_loc=args["query_start_loc"], seq_lens=args["seq_lens"],
+        block_table=args["block_table"], max_query_len=slots, max_seq_len=2048,
+    )  # fmt: skip
+    context = torch.zeros(8, dtype=torch.int32, device="cuda")
+    buffer = torch.empty(4 * slots, HEADS, HEAD, dtype=torch.bfloat16, device="cuda")
+
+    def step(output):
+        given = context_attention(impl, args["query"], args["kv_cache"], metadata, context, buffer)
+        paged_tree_attention(output=output, scale=HEAD**-0.5, max_query_len=slots, **args, **given)
+
+    output = torch.zeros_like(args["query"])
+    step(output)
+    assert context[:3].tolist() == contexts
+    _check(args, trees, output, contexts, (0, 1, 7, budget // 2, budget))
+
+    graph_out = torch.zeros_like(output)
+    step(graph_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graph_out)
+    contexts2 = [40, 700, 1020]
+    args2, trees2 = _batch(1, budget, contexts2)
+    for name in ("query", "seq_lens", "block_table", "depths", "ancestors"):
+        args[name].copy_(args2[name])
+    args["kv_cache"].copy_(args2["kv_cache"])
+    graph_out.fill_(7.0)
+    graph.replay()
+    _check(args, trees2, graph_out, contexts2, (0, 3, budget))

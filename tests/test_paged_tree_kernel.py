@@ -2,7 +2,8 @@
 Triton's CPU interpreter: tree requests with full and clipped trees, a prefill request and a
 padded request that it must leave alone, grouped-query heads (also a group that is not a power
 of two), the cache in FlashAttention's logical view over NHD memory; rows before
-``first_slot`` (a forced chain, computed by the backend) left alone."""
+``first_slot`` (a forced chain, computed by the backend) left alone; the context part given
+(FlashAttention's output and log-sum-exp) instead of read by the kernel."""
 
 import pytest
 import torch
@@ -21,7 +22,14 @@ def test_kernel_equals_the_reference():
     run_interpreted(__file__)
 
 
-def check(heads: int, kv_heads: int, head: int = 16, block: int = 16, first_slot: int = 0) -> None:
+def check(
+    heads: int,
+    kv_heads: int,
+    head: int = 16,
+    block: int = 16,
+    first_slot: int = 0,
+    context_given: bool = False,
+) -> None:
     from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 
     gen = torch.Generator().manual_seed(heads)
@@ -45,6 +53,21 @@ def check(heads: int, kv_heads: int, head: int = 16, block: int = 16, first_slot
     output = torch.full_like(query, poison)
     depths = trees.depths.int().contiguous()
     ancestors = trees.ancestors.int().contiguous()
+
+    def cached(r, positions):
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = kv_cache[tables[r, pos // block].long(), :, pos % block]  # [n, kvh, 2hd]
+        return rows[..., :head], rows[..., head:]
+
+    given = {}
+    if context_given:  # every row over its request's context, as FlashAttention returns it
+        context_out = torch.full_like(query, float("nan"))
+        lse_heads_first = torch.full((heads, num_rows), float("nan"))  # FlashAttention's [H, T]
+        for r in range(4):
+            rows = slice(int(qsl[r]), int(qsl[r + 1]))
+            out, lse = attend_with_lse(query[rows], *cached(r, range(contexts[r])), head**-0.5)
+            context_out[rows], lse_heads_first[:, rows] = out, lse.T
+        given = dict(context_out=context_out, context_lse=lse_heads_first.T)
     paged_tree_attention(
         query,
         kv_cache,
@@ -59,12 +82,8 @@ def check(heads: int, kv_heads: int, head: int = 16, block: int = 16, first_slot
         max(counts),
         rows_per_program=16,
         first_slot=first_slot,
+        **given,
     )
-
-    def cached(r, positions):
-        pos = torch.tensor(positions, dtype=torch.long)
-        rows = kv_cache[tables[r, pos // block].long(), :, pos % block]  # [n, kvh, 2hd]
-        return rows[..., :head], rows[..., head:]
 
     group = heads // kv_heads
     for r in range(4):
@@ -90,3 +109,7 @@ if __name__ == "__main__":
     check(heads=2, kv_heads=2)
     check(heads=4, kv_heads=2, first_slot=5)  # a forced chain of 4 after the root
     check(heads=4, kv_heads=2, first_slot=24)  # the whole tree is chain: nothing written
+    # The context part given (FlashAttention's output and log-sum-exp), only the tree read here;
+    # the padded request's context is empty (lse -inf), the prefill's rows are not touched.
+    check(heads=4, kv_heads=2, context_given=True)
+    check(heads=6, kv_heads=2, first_slot=5, context_given=True)

@@ -93,3 +93,73 @@ def test_chain_sized_trees_skip_the_drafters_reorder():
     assert flags(True, {"a": [1] * depth, "b": [2] * 3})
     assert not flags(True, {"a": [1] * depth, "b": [2] * (depth + 1)})  # one wider tree
     assert not flags(False, {"a": [1] * 3})  # a tree without its forced chain
+
+
+def test_flash_context_part_reaches_the_tree_kernel(monkeypatch):
+    """``DDTREE_TREE_ATTENTION=flash``: the context part comes from one FlashAttention call
+    (its output and log-sum-exp handed to the tree kernel), after the backend's chain rows."""
+    from ddtree.vllm_plugin.attention import flash
+    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+    from ddtree.vllm_plugin.v2 import engine as engine_module
+    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+
+    calls = []
+    monkeypatch.setattr(
+        engine_module,
+        "paged_tree_attention",
+        lambda *args, first_slot=0, **kw: calls.append(("tree", first_slot, sorted(kw))),
+    )
+    monkeypatch.setattr(
+        flash,
+        "context_attention",
+        lambda *args: calls.append(("flash",)) or {"context_out": 1, "context_lse": 2},
+    )
+    tables = TreeTables(4, 63, 15, torch.device("cpu"))
+    engine = TreeEngine(DDTreeOptions(63), 15, Settings(tree_attention="flash"), tables)
+    engine.tree_step = engine.all_tree = True
+    metadata = SimpleNamespace(
+        max_query_len=64,
+        query_start_loc=torch.tensor([0, 64], dtype=torch.int32),
+        seq_lens=torch.tensor([73], dtype=torch.int32),
+        block_table=torch.zeros(1, 4, dtype=torch.int32),
+    )
+    query = torch.zeros(64, 2, 8)
+    engine.attend(
+        SimpleNamespace(scale=1.0), lambda: calls.append(("backend",)), query, None, None, None,
+        metadata, torch.zeros_like(query), 0,
+    )  # fmt: skip
+    assert calls == [("backend",), ("flash",), ("tree", 16, ["context_lse", "context_out"])]
+
+
+def test_flash_context_call_sees_the_cached_context_only(monkeypatch):
+    """The FlashAttention call covers each request's cached tokens (seq_len minus the step's
+    own), non-causal, one split (graph safe), into the persistent buffer; its [H, T]
+    log-sum-exp is handed on as [T, H]."""
+    import vllm.v1.attention.backends.fa_utils as fa_utils
+
+    from ddtree.vllm_plugin.attention import flash
+
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        return kw["out"], torch.arange(3 * 12.0).view(3, 12)  # lse [H, T]
+
+    monkeypatch.setattr(fa_utils, "flash_attn_varlen_func", fake, raising=False)
+    metadata = SimpleNamespace(
+        max_query_len=7,
+        max_seq_len=40,
+        query_start_loc=torch.tensor([0, 5, 12, 12], dtype=torch.int32),  # the last: padding
+        seq_lens=torch.tensor([40, 7, 0], dtype=torch.int32),
+        block_table=torch.zeros(3, 4, dtype=torch.int32),
+    )
+    impl = SimpleNamespace(head_size=4, scale=0.5, vllm_flash_attn_version=3)
+    context, out = torch.full((5,), -7, dtype=torch.int32), torch.zeros(20, 3, 4)
+    kv_cache = torch.zeros(6, 2, 16, 8)  # [blocks, kv heads, block, 2 x head]
+    got = flash.context_attention(impl, torch.zeros(12, 3, 4), kv_cache, metadata, context, out)
+    assert seen["seqused_k"].tolist() == [35, 0, 0]  # 40 - 5; a prefill's 7 - 7; padding
+    assert seen["causal"] is False and seen["num_splits"] == 1 and seen["softmax_scale"] == 0.5
+    assert seen["out"].data_ptr() == out.data_ptr() and seen["out"].shape[0] == 12
+    assert seen["k"].shape == (6, 16, 2, 4) and seen["v"].shape == (6, 16, 2, 4)
+    assert got["context_lse"].shape == (12, 3) and got["context_lse"][5, 2] == 2 * 12 + 5
+    assert got["context_out"].shape == (12, 3, 4)

@@ -19,7 +19,7 @@ MAX_BUDGET = 1024
 # verify forward of up to ~512 tokens costs about what a 16-token chain verify costs; beyond it
 # the forward grows with the tokens, so trees shrink as the batch grows.
 DEFAULT_MAX_VERIFY_TOKENS = 512
-TREE_ATTENTION_CHOICES = ("auto", "merge", "triton")
+TREE_ATTENTION_CHOICES = ("auto", "merge", "triton", "flash")
 TREE_KERNELS_CHOICES = ("auto", "torch", "fused")
 
 
@@ -27,7 +27,9 @@ TREE_KERNELS_CHOICES = ("auto", "torch", "fused")
 class Settings:
     """Process-wide knobs from the environment, read once at plugin registration.
 
-    - ``DDTREE_TREE_ATTENTION=auto|merge|triton``: the GPU tree attention (auto: triton);
+    - ``DDTREE_TREE_ATTENTION=auto|merge|triton|flash``: the GPU tree attention (auto:
+      triton; flash, V2 only: the context part by vLLM's FlashAttention, the tree's slots by
+      the paged tree kernel, so that the bulk of each sum rounds as no-spec's does);
     - ``DDTREE_CUDA_GRAPHS=0``: DDTree's own graphs (tree stage, KV commit) off;
     - ``DDTREE_SYNC_DEBUG=warn|error``: torch's CUDA sync checker around DDTree's step code;
     - ``DDTREE_PROFILE=N``: the step's time split logged every N steps;
@@ -417,9 +419,10 @@ def check_platform(settings: Settings) -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        if settings.tree_attention == "triton":
+        if settings.tree_attention in ("triton", "flash"):
             raise NotImplementedError(
-                "DDTREE_TREE_ATTENTION=triton needs a CUDA GPU; on the CPU use merge or auto"
+                f"DDTREE_TREE_ATTENTION={settings.tree_attention} needs a CUDA GPU; on the CPU "
+                "use merge or auto"
             )
         if settings.tree_kernels == "fused":
             raise NotImplementedError(

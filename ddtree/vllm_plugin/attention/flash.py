@@ -67,6 +67,52 @@ def prefix_attention(
     return out.float(), lse.float()
 
 
+def context_attention(
+    impl, query: torch.Tensor, kv_cache: torch.Tensor, metadata, context: torch.Tensor,
+    out: torch.Tensor,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The V2 runner's ``DDTREE_TREE_ATTENTION=flash``: every row of the step over its request's
+    cached context (the step's own slots excluded), one non-causal FlashAttention call on the
+    backend's metadata, so that the context part rounds as vLLM's own attention does.
+
+    ``query [T, H, hd]``; ``context`` int32 ``[>= R]`` and ``out [>= T, H, hd]`` persistent
+    buffers (written here). Returns ``paged_tree_attention``'s ``context_out`` / ``context_lse``
+    (lse ``[T, H]``-indexed, float32). ``num_splits=1``: FlashAttention's split heuristic is
+    not CUDA-graph safe (vLLM's backend bounds it for graphs; one split needs no workspace).
+    """
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    qsl = metadata.query_start_loc  # [R + 1]
+    num_reqs, num_rows = qsl.shape[0] - 1, query.shape[0]
+    cached = context[:num_reqs]
+    torch.sub(metadata.seq_lens[:num_reqs], qsl[1:], out=cached)  # seq_len - (end - start)
+    cached.add_(qsl[:-1]).clamp_(min=0)  # padding rows: 0
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    # as vLLM's backend does: size-1 dims (one KV head per rank) get TMA-aligned strides
+    key_cache = canonicalize_singleton_dim_strides(key_cache)
+    value_cache = canonicalize_singleton_dim_strides(value_cache)
+    _, lse = flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        out=out[:num_rows],
+        cu_seqlens_q=qsl,
+        max_seqlen_q=metadata.max_query_len,
+        seqused_k=cached,
+        max_seqlen_k=metadata.max_seq_len,
+        softmax_scale=impl.scale,
+        causal=False,
+        block_table=metadata.block_table,
+        return_softmax_lse=True,
+        num_splits=1,
+        fa_version=impl.vllm_flash_attn_version,
+    )
+    if lse.shape[0] != num_rows:  # FlashAttention's varlen lse is [H, T]
+        lse = lse.transpose(0, 1)
+    return {"context_out": out[:num_rows], "context_lse": lse}
+
+
 def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """K/V of cache slots ``src [M]`` to slots ``dst [M]`` (gathered, a copy, before writing)."""
     block_size = kv_cache.shape[2]

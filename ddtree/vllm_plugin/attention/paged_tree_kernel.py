@@ -29,10 +29,12 @@ from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step, _pa
 def _paged_tree_attention_kernel(
     query_ptr, cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, table_ptr, tree_rows_ptr, depths_ptr, ancestors_ptr,
+    ctx_out_ptr, ctx_lse_ptr,
     scale, group, cache_block, max_depth, first_slot,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_ch, s_ct, s_tr, s_dr, s_ar, s_aq,
+    s_xt, s_xh, s_lt, s_lh,
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, CONTEXT_GIVEN: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -53,12 +55,25 @@ def _paged_tree_attention_kernel(
     q = tl.load(query_ptr + q_row[:, None] * s_qt + head[:, None] * s_qh + dims[None, :],
                 mask=q_valid[:, None], other=0.0)  # fmt: skip
     q_depth = tl.load(depths_ptr + state * s_dr + slot, mask=q_valid, other=0)
-    top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+    if CONTEXT_GIVEN:
+        # The context part computed elsewhere (FlashAttention): its normalised output and
+        # log-sum-exp are the online softmax's state after the context (max = lse, sum = 1).
+        top = tl.load(ctx_lse_ptr + q_row * s_lt + head * s_lh, mask=q_valid,
+                      other=float("-inf")).to(tl.float32)  # fmt: skip
+        seen_any = top != float("-inf")
+        total = tl.where(seen_any, 1.0, 0.0)
+        ctx_rows = ctx_out_ptr + q_row[:, None] * s_xt + head[:, None] * s_xh
+        acc = tl.load(ctx_rows + dims[None, :], mask=q_valid[:, None] & seen_any[:, None],
+                      other=0.0).to(tl.float32)  # fmt: skip
+        context_end = 0
+    else:
+        top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+        context_end = context
 
     # The cached context: every slot sees all of it.
-    for start in range(0, context, BLOCK_N):
+    for start in range(0, context_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < context
         k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
@@ -104,6 +119,8 @@ def paged_tree_attention(
     rows_per_program: int = 64,
     block_n: int = 32,
     first_slot: int = 0,
+    context_out: torch.Tensor | None = None,
+    context_lse: torch.Tensor | None = None,
 ) -> None:
     """Write the tree requests' rows of ``output [T, H, hd]`` from slot ``first_slot`` on (other
     rows are left alone: e.g. a forced chain's, which the backend's causal pass computes).
@@ -115,6 +132,11 @@ def paged_tree_attention(
     int32 ``[R]``: each request's row in the tree tables, -1 for a request without a tree;
     ``depths`` int32 ``[S, Q]`` and ``ancestors`` int32 ``[S, Q, D + 1]`` (k-th ancestor,
     saturating at the root). ``max_query_len`` bounds every request's slots (<= Q).
+
+    ``context_out [T, H, hd]`` and ``context_lse`` (``[T, H]``-indexed, any strides; natural
+    log, ``-inf`` where the context is empty), both given or neither: every row's attention
+    over its request's cached context, computed elsewhere (FlashAttention); the kernel then
+    reads only the tree's own slots and folds them in.
     """
     num_reqs = tree_rows.shape[0]
     num_heads, head_size = query.shape[1:]
@@ -129,13 +151,23 @@ def paged_tree_attention(
     block_q = max(1, rows_per_program // group_pad)  # a program: BLOCK_Q slots x GROUP_PAD heads
     if max_query_len <= first_slot:
         return
+    given = context_out is not None
+    if given != (context_lse is not None):
+        raise ValueError("paged_tree_attention: give context_out and context_lse together")
+    if given and context_out.stride(-1) != 1:
+        raise ValueError("paged_tree_attention: context_out must have a contiguous last dim")
+    ctx_out = context_out if given else output  # not read without CONTEXT_GIVEN
+    ctx_lse = context_lse if given else output[:, :, 0]
     grid = (num_reqs, triton.cdiv(max_query_len - first_slot, block_q), num_kv_heads)
     _paged_tree_attention_kernel[grid](
         query, kv_cache, output,
         query_start_loc, seq_lens, block_table, tree_rows, depths, ancestors,
+        ctx_out, ctx_lse,
         scale, group, kv_cache.shape[2], ancestors.shape[2] - 1, first_slot,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
         depths.stride(0), ancestors.stride(0), ancestors.stride(1),
+        ctx_out.stride(0), ctx_out.stride(1), ctx_lse.stride(0), ctx_lse.stride(1),
         HEAD_DIM=head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
+        CONTEXT_GIVEN=given,
     )  # fmt: skip

@@ -135,6 +135,10 @@ class TreeEngine:
     marked_rows: int = 0  # batch rows prepare_step marked in tables.tree_rows this step
     profile: StepProfile | None = None  # DDTREE_PROFILE: the step's time split
     live_step: bool = False  # this step serves requests (not a dummy run): it may be profiled
+    # DDTREE_TREE_ATTENTION=flash: each request's cached length [bucket + 1] and the context
+    # part's output [max_tokens, H, hd] (one FlashAttention call per layer writes them)
+    flash_context: torch.Tensor | None = None
+    flash_out: torch.Tensor | None = None
     _fused_layers: dict | None = None
 
     def __post_init__(self) -> None:
@@ -183,8 +187,28 @@ class TreeEngine:
                 layer.impl.ddtree_binding = LayerBinding(self, group)
                 self.layers.append((group, kv_cache, layer.impl))
         self.slot_mappings = runner.block_tables.slot_mappings
+        if self.settings.tree_attention == "flash":
+            self._bind_flash_context(runner)
         if self.gdn is not None:
             self.gdn.bind(runner)
+
+    def _bind_flash_context(self, runner) -> None:
+        """``DDTREE_TREE_ATTENTION=flash``: buffers for the context part's FlashAttention
+        call (one set for all layers: each layer's call is consumed before the next)."""
+        impls = sorted({type(impl).__name__ for _, _, impl in self.layers})
+        if impls != ["FlashAttentionImpl"]:
+            raise NotImplementedError(
+                f"ddtree: DDTREE_TREE_ATTENTION=flash needs attention_backend FLASH_ATTN on "
+                f"every target layer (got {impls}); unset it for the Triton tree kernel alone"
+            )
+        impl = self.layers[0][2]
+        self.flash_context = torch.zeros(
+            graphs.bucket(runner.max_num_reqs) + 1, dtype=torch.int32, device=runner.device
+        )
+        self.flash_out = torch.empty(
+            runner.max_num_tokens, impl.num_heads, impl.head_size, dtype=runner.dtype,
+            device=runner.device,
+        )  # fmt: skip
 
     def chain_step(self) -> bool:
         """This step is the chain's verify, left to vLLM's rejection sampler: every tree is
@@ -218,6 +242,11 @@ class TreeEngine:
         if first > 0 or not (self.all_tree or self.capturing):
             original()  # the chain's rows; in a mixed step also the prefill rows
         num_reqs = attn_metadata.query_start_loc.shape[0] - 1
+        context = {}
+        if self.settings.tree_attention == "flash":
+            context = attention.flash.context_attention(
+                impl, query, kv_cache, attn_metadata, self.flash_context, self.flash_out
+            )
         paged_tree_attention(
             query,
             kv_cache,
@@ -231,6 +260,7 @@ class TreeEngine:
             impl.scale,
             attn_metadata.max_query_len,
             first_slot=first,
+            **context,
         )
         return output
 
