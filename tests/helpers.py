@@ -57,10 +57,19 @@ def agreeing_targets(tree: DraftTree, vocab: int, seed: int) -> torch.Tensor:
     return target
 
 
-def run_interpreted(script: str) -> None:
+def run_interpreted(script: str, parts: int = 1) -> None:
     """Run ``script`` (a test file whose ``__main__`` does the checks) in a fresh interpreter
     with TRITON_INTERPRET=1: Triton reads it when it is first imported, so it cannot be set
-    inside this process. Fails with the script's output."""
+    inside this process. ``parts > 1``: that many processes side by side, each given its part
+    (``1 .. parts``) as its argument, ``__main__`` running that share of the checks. Fails with
+    the script's output."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    commands = [[sys.executable, script]] if parts == 1 else [
+        [sys.executable, script, str(part)] for part in range(1, parts + 1)
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
+    for proc, output in [(proc, proc.communicate()[0]) for proc in procs]:
+        assert proc.returncode == 0, output[-10000:]
