@@ -94,9 +94,10 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   # with DDTREE_TREE_ATTENTION=flash, each against a no-spec server on the default backend;
   # SOAK_SECONDS, 600), started first so that its eight servers claim their memory before the
   # check's engines start, then the check and the per-token logit numerics (on an 80 GB card:
-  # 8 soak servers of 2 GiB KV each, the check's <= 12 engines of 1 GiB, the numerics' engines)
+  # 8 soak servers of 1 GiB KV each — 32 requests of <= ~600 tokens need ~70 MiB — the check's
+  # <= 12 engines of 1 GiB, the numerics' engines)
   mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
-  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn soakflash}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
+  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn soakflash}" SOAK_KV=${SOAK_KV:-1G} bash benchmarks/h200_soak.sh \
     "${SOAK_SECONDS:-600}" > "$OUT/soak.log" 2>&1 &
   sleep 90
   OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 &
