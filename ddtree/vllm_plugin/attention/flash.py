@@ -29,6 +29,42 @@ def read_paged_kv(
     return rows[..., : width // 2], rows[..., width // 2 :]
 
 
+def _over_context(
+    impl, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_queries: torch.Tensor, context: torch.Tensor, max_queries: int, max_context: int,
+    **extra,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One non-causal FlashAttention call: each request's query rows (``cu_queries``) over its
+    first ``context`` cached tokens, K/V viewed as vLLM's backend views them. ``extra``:
+    more ``flash_attn_varlen_func`` arguments. Returns ``out [N, H, hd]`` and ``lse``
+    ``[N, H]``-indexed (FlashAttention's dtypes)."""
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    # as vLLM's backend does: size-1 dims (one KV head per rank) get TMA-aligned strides
+    key_cache = canonicalize_singleton_dim_strides(key_cache)
+    value_cache = canonicalize_singleton_dim_strides(value_cache)
+    out, lse = flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        cu_seqlens_q=cu_queries,
+        max_seqlen_q=max_queries,
+        seqused_k=context,
+        max_seqlen_k=max_context,
+        softmax_scale=impl.scale,
+        causal=False,
+        block_table=block_tables,
+        return_softmax_lse=True,
+        fa_version=impl.vllm_flash_attn_version,
+        **extra,
+    )
+    if lse.shape[0] != query.shape[0]:  # FlashAttention's varlen lse is [H, N]
+        lse = lse.transpose(0, 1)
+    return out, lse
+
+
 def prefix_attention(
     impl,
     query: torch.Tensor,
@@ -45,25 +81,9 @@ def prefix_attention(
     ``block_tables`` int32 ``[R, max_blocks]``, ``context`` int32 ``[R]`` cached tokens.
     Returns ``out [N, H, hd]`` and ``lse [N, H]`` (float32).
     """
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
-    out, lse = flash_attn_varlen_func(
-        q=query,
-        k=key_cache,
-        v=value_cache,
-        cu_seqlens_q=cu_queries,
-        max_seqlen_q=max_queries,
-        seqused_k=context,
-        max_seqlen_k=max_context,
-        softmax_scale=impl.scale,
-        causal=False,
-        block_table=block_tables,
-        return_softmax_lse=True,
-        fa_version=impl.vllm_flash_attn_version,
+    out, lse = _over_context(
+        impl, query, kv_cache, block_tables, cu_queries, context, max_queries, max_context
     )
-    if lse.shape[0] != query.shape[0]:  # FlashAttention's varlen lse is [H, N]
-        lse = lse.transpose(0, 1)
     return out.float(), lse.float()
 
 
@@ -80,36 +100,15 @@ def context_attention(
     (lse ``[T, H]``-indexed, float32). ``num_splits=1``: FlashAttention's split heuristic is
     not CUDA-graph safe (vLLM's backend bounds it for graphs; one split needs no workspace).
     """
-    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
     qsl = metadata.query_start_loc  # [R + 1]
     num_reqs, num_rows = qsl.shape[0] - 1, query.shape[0]
     cached = context[:num_reqs]
     torch.sub(metadata.seq_lens[:num_reqs], qsl[1:], out=cached)  # seq_len - (end - start)
     cached.add_(qsl[:-1]).clamp_(min=0)  # padding rows: 0
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
-    # as vLLM's backend does: size-1 dims (one KV head per rank) get TMA-aligned strides
-    key_cache = canonicalize_singleton_dim_strides(key_cache)
-    value_cache = canonicalize_singleton_dim_strides(value_cache)
-    _, lse = flash_attn_varlen_func(
-        q=query,
-        k=key_cache,
-        v=value_cache,
-        out=out[:num_rows],
-        cu_seqlens_q=qsl,
-        max_seqlen_q=metadata.max_query_len,
-        seqused_k=cached,
-        max_seqlen_k=metadata.max_seq_len,
-        softmax_scale=impl.scale,
-        causal=False,
-        block_table=metadata.block_table,
-        return_softmax_lse=True,
-        num_splits=1,
-        fa_version=impl.vllm_flash_attn_version,
-    )
-    if lse.shape[0] != num_rows:  # FlashAttention's varlen lse is [H, T]
-        lse = lse.transpose(0, 1)
+    _, lse = _over_context(
+        impl, query, kv_cache, metadata.block_table, qsl, cached, metadata.max_query_len,
+        metadata.max_seq_len, out=out[:num_rows], num_splits=1,
+    )  # fmt: skip
     return {"context_out": out[:num_rows], "context_lse": lse}
 
 
