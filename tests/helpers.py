@@ -57,6 +57,19 @@ def agreeing_targets(tree: DraftTree, vocab: int, seed: int) -> torch.Tensor:
     return target
 
 
+def run_side_by_side(commands: list[list[str]], env: dict) -> list[str]:
+    """Run ``commands`` as processes side by side; each must exit 0 (else fail with its
+    output). Returns their outputs (stdout and stderr together), in order."""
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
+    outputs = [proc.communicate()[0] for proc in procs]
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output[-10000:]
+    return outputs
+
+
 def run_interpreted(script: str, parts: int = 1) -> None:
     """Run ``script`` (a test file whose ``__main__`` does the checks) in a fresh interpreter
     with TRITON_INTERPRET=1: Triton reads it when it is first imported, so it cannot be set
@@ -67,9 +80,4 @@ def run_interpreted(script: str, parts: int = 1) -> None:
     commands = [[sys.executable, script]] if parts == 1 else [
         [sys.executable, script, str(part)] for part in range(1, parts + 1)
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd in commands
-    ]
-    for proc, output in [(proc, proc.communicate()[0]) for proc in procs]:
-        assert proc.returncode == 0, output[-10000:]
+    run_side_by_side(commands, env)

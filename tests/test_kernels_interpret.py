@@ -19,21 +19,15 @@ if not INTERPRETING:
     def test_kernels_in_the_interpreter():
         """This file's tests under Triton's interpreter, in two processes side by side: the
         tree stage's hypothesis search (about 60% of the time) and the rest."""
+        from helpers import run_side_by_side
+
         pytest.importorskip("triton")
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         base = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
         base += ["-W", "ignore::DeprecationWarning"]
         heavy = f"{__file__}::test_tree_stage"
         runs = [[*base, heavy], [*base, __file__, "-k", "not test_tree_stage or short_last_chunk"]]
-        procs = [
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            for cmd in runs
-        ]
-        outputs = [proc.communicate()[0] for proc in procs]
-        for proc, output in zip(procs, outputs, strict=True):
-            assert proc.returncode == 0, output[-8000:]
+        outputs = run_side_by_side(runs, env)
         assert all(" passed" in output for output in outputs), outputs  # both ran tests
 
     def test_pdl_setting_is_checked_and_off_for_cpu_tensors():

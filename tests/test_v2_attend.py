@@ -10,19 +10,31 @@ import torch
 pytest.importorskip("triton")
 
 
-def _attend(monkeypatch, chain_seed: bool, max_query_len: int, all_tree: bool = True, chain=False):
+def _attend(
+    monkeypatch, chain_seed: bool, max_query_len: int, all_tree: bool = True, chain=False,
+    settings=None,
+):  # fmt: skip
+    """The calls one ``attend`` makes, in order: ("backend",), ("flash",) (the context part
+    by FlashAttention), ("tree", first_slot[, the kernel's keyword arguments])."""
+    from ddtree.vllm_plugin.attention import flash
     from ddtree.vllm_plugin.config import DDTreeOptions, Settings
     from ddtree.vllm_plugin.v2 import engine as engine_module
     from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
 
     calls = []
+
+    def tree_kernel(*args, first_slot=0, **kw):
+        calls.append(("tree", first_slot, sorted(kw)) if kw else ("tree", first_slot))
+
     monkeypatch.setattr(
-        engine_module,
-        "paged_tree_attention",
-        lambda *args, first_slot=0, **kw: calls.append(("tree", first_slot)),
+        flash,
+        "context_attention",
+        lambda *args: calls.append(("flash",)) or {"context_out": 1, "context_lse": 2},
     )
+    monkeypatch.setattr(engine_module, "paged_tree_attention", tree_kernel)
     tables = TreeTables(4, 63, 15, torch.device("cpu"))
-    engine = TreeEngine(DDTreeOptions(63, chain_seed=chain_seed), 15, Settings(), tables)
+    options = DDTreeOptions(63, chain_seed=chain_seed)
+    engine = TreeEngine(options, 15, settings or Settings(), tables)
     engine.tree_step, engine.all_tree, engine.chain_trees = True, all_tree, chain
     metadata = SimpleNamespace(
         max_query_len=max_query_len,
@@ -98,36 +110,9 @@ def test_chain_sized_trees_skip_the_drafters_reorder():
 def test_flash_context_part_reaches_the_tree_kernel(monkeypatch):
     """``DDTREE_TREE_ATTENTION=flash``: the context part comes from one FlashAttention call
     (its output and log-sum-exp handed to the tree kernel), after the backend's chain rows."""
-    from ddtree.vllm_plugin.attention import flash
-    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
-    from ddtree.vllm_plugin.v2 import engine as engine_module
-    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+    from ddtree.vllm_plugin.config import Settings
 
-    calls = []
-    monkeypatch.setattr(
-        engine_module,
-        "paged_tree_attention",
-        lambda *args, first_slot=0, **kw: calls.append(("tree", first_slot, sorted(kw))),
-    )
-    monkeypatch.setattr(
-        flash,
-        "context_attention",
-        lambda *args: calls.append(("flash",)) or {"context_out": 1, "context_lse": 2},
-    )
-    tables = TreeTables(4, 63, 15, torch.device("cpu"))
-    engine = TreeEngine(DDTreeOptions(63), 15, Settings(tree_attention="flash"), tables)
-    engine.tree_step = engine.all_tree = True
-    metadata = SimpleNamespace(
-        max_query_len=64,
-        query_start_loc=torch.tensor([0, 64], dtype=torch.int32),
-        seq_lens=torch.tensor([73], dtype=torch.int32),
-        block_table=torch.zeros(1, 4, dtype=torch.int32),
-    )
-    query = torch.zeros(64, 2, 8)
-    engine.attend(
-        SimpleNamespace(scale=1.0), lambda: calls.append(("backend",)), query, None, None, None,
-        metadata, torch.zeros_like(query), 0,
-    )  # fmt: skip
+    calls = _attend(monkeypatch, True, 64, settings=Settings(tree_attention="flash"))
     assert calls == [("backend",), ("flash",), ("tree", 16, ["context_lse", "context_out"])]
 
 
