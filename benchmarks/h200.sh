@@ -97,8 +97,7 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   # 8 soak servers of 1 GiB KV each — 32 requests of <= ~600 tokens need ~70 MiB — the check's
   # <= 12 engines of 1 GiB, the numerics' engines)
   mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
-  OUT=$OUT/soak SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn soakflash}" SOAK_KV=${SOAK_KV:-1G} bash benchmarks/h200_soak.sh \
-    "${SOAK_SECONDS:-600}" > "$OUT/soak.log" 2>&1 &
+  OUT=$OUT/soak SOAK_KV=${SOAK_KV:-1G} bash benchmarks/h200.sh soak > "$OUT/soak.log" 2>&1 &
   sleep 90
   OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 &
   # ACCURACY_CHECK=0: no check beside them (when the tree under test was checked already)

@@ -78,9 +78,8 @@ def server_command(budget: int, args, port: int, method: str, under_test: bool) 
     if args.model:
         cmd += ["--model", args.model] + (["--draft", args.draft] if args.draft else [])
     cmd += ["--", "--seed", "0", *args.vllm_args]
-    backend = getattr(args, "attention_backend", None)
-    if under_test and backend:
-        cmd += ["--attention-backend", backend]
+    if under_test and args.attention_backend:
+        cmd += ["--attention-backend", args.attention_backend]
     return cmd
 
 
