@@ -3,7 +3,8 @@
 #   bash benchmarks/h200.sh check    # all GPU tests beside the greedy equality suite (9-17.5
 #                                    # min in turn on H100s, 2026-12-06: detach it)
 #   bash benchmarks/h200.sh accuracy # the V2 soak (DDTree, chain vs no-spec), check and numerics
-#                                    # side by side (~14 min: detach it; ACCURACY_CHECK=0: no check)
+#                                    # side by side (~14 min: detach it; ACCURACY_CHECK=0: no check,
+#                                    # ACCURACY_NUMERICS=0: no numerics)
 #   bash benchmarks/h200.sh soak     # the soak alone (SOAK_RUNS, default "soak dflash tritonattn soakflash";
 #                                    # SOAK_SECONDS, 600; ~12 min: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
@@ -99,7 +100,8 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
   OUT=$OUT/soak SOAK_KV=${SOAK_KV:-1G} bash benchmarks/h200.sh soak > "$OUT/soak.log" 2>&1 &
   sleep 90
-  OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 &
+  # ACCURACY_NUMERICS=0: no numerics (measured already at the same CUDA path)
+  [ "${ACCURACY_NUMERICS:-1}" = 1 ] && { OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 & }
   # ACCURACY_CHECK=0: no check beside them (when the tree under test was checked already)
   [ "${ACCURACY_CHECK:-1}" = 1 ] && OUT=$OUT/check bash benchmarks/h200.sh check > "$OUT/check.log" 2>&1
   wait
