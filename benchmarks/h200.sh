@@ -5,7 +5,7 @@
 #   bash benchmarks/h200.sh accuracy # the V2 soak (DDTree, chain vs no-spec), check and numerics
 #                                    # side by side (~14 min: detach it; ACCURACY_CHECK=0: no check,
 #                                    # ACCURACY_NUMERICS=0: no numerics)
-#   bash benchmarks/h200.sh soak     # the soak alone (SOAK_RUNS, default "soak dflash tritonattn soakflash";
+#   bash benchmarks/h200.sh soak     # the soak alone (SOAK_RUNS, default "soak dflash soakfixed soakflash tritonattn";
 #                                    # SOAK_SECONDS, 600; ~12 min: detach it)
 #   bash benchmarks/h200.sh numerics # bf16 error: attention kernels; the whole model per token
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
@@ -91,12 +91,11 @@ check)
   cat "$OUT/gpu_tests_tail.txt"
   ;;
 accuracy)  # issue 19's correctness runs side by side (no timings among them, ~14 min): the
-  # soak on the V2 runner (DDTree, vLLM's chain, a no-spec server on TRITON_ATTN and DDTree
-  # with DDTREE_TREE_ATTENTION=flash, each against a no-spec server on the default backend;
-  # SOAK_SECONDS, 600), started first so that its eight servers claim their memory before the
-  # check's engines start, then the check and the per-token logit numerics (on an 80 GB card:
-  # 8 soak servers of 1 GiB KV each — 32 requests of <= ~600 tokens need ~70 MiB — the check's
-  # <= 12 engines of 1 GiB, the numerics' engines)
+  # soak on the V2 runner (the `soak` mode's runs, SOAK_RUNS; SOAK_SECONDS, 600), started first
+  # so that its servers claim their memory before the check's engines start, then the check
+  # and the per-token logit numerics (on an 80 GB card: 10 soak servers of 1 GiB KV each — 32
+  # requests of <= ~600 tokens need ~70 MiB — the check's <= 12 engines of 1 GiB, the
+  # numerics' engines)
   mkdir -p "$OUT/soak" "$OUT/check" "$OUT/numerics"
   OUT=$OUT/soak SOAK_KV=${SOAK_KV:-1G} bash benchmarks/h200.sh soak > "$OUT/soak.log" 2>&1 &
   sleep 90
@@ -107,10 +106,10 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   wait
   tail -n 8 "$OUT/check.log" "$OUT/numerics.log" "$OUT/soak.log"
   ;;
-soak)  # the soak alone: DDTree, vLLM's chain, a no-spec server on TRITON_ATTN and DDTree with
-  # DDTREE_TREE_ATTENTION=flash, each against a no-spec server on the default backend, side
-  # by side (2 GiB KV each)
-  SOAK_RUNS="${SOAK_RUNS:-soak dflash tritonattn soakflash}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
+soak)  # the soak alone: DDTree's default ("auto" up to B=64), vLLM's chain, DDTree B=64 fixed,
+  # the same with DDTREE_TREE_ATTENTION=flash and a no-spec server on TRITON_ATTN, each against
+  # a no-spec server on the default backend, side by side (2 GiB KV each)
+  SOAK_RUNS="${SOAK_RUNS:-soak dflash soakfixed soakflash tritonattn}" SOAK_KV=${SOAK_KV:-2G} bash benchmarks/h200_soak.sh \
     "${SOAK_SECONDS:-600}"
   ;;
 numerics)  # + the whole model's bf16 logprob error per token, teacher-forced (~8 min)

@@ -7,10 +7,12 @@
 # four engines profile at once: each counts the others' memory as used), and
 # --gpu-memory-utilization 0.15 (vLLM still checks at start-up that this share of the GPU is free).
 # SOAK_SLACK (default 240) s beyond SECONDS is what each soak gets for start-up and draining.
-# SOAK_RUNS (default "soak control"): also "dflash", vLLM's own DFlash chain against no-spec;
+# SOAK_RUNS (default "soak control"; "soak" is DDTree's default, on one GPU "auto" up to B=64):
+# also "soakfixed", B=64 at every batch size; "dflash", vLLM's own DFlash chain against no-spec;
 # "tritonattn", a no-spec server on TRITON_ATTN against one on vLLM's default (FlashAttention):
 # how often a different attention kernel alone parts greedy answers from no-spec; "soakflash",
-# DDTree with DDTREE_TREE_ATTENTION=flash (the tree rows' context part by FlashAttention).
+# DDTree B=64 (fixed) with DDTREE_TREE_ATTENTION=flash (the tree rows' context part by
+# FlashAttention).
 # SOAK_VLLM_ARGS: more vLLM arguments for every server. SOAK_KV: each server's KV cache (8G;
 # the bundled pair needs ~9 MiB per 2,048-token request, so 2G holds ~220 of them).
 #   bash benchmarks/h200_soak.sh SECONDS          # in this call; results -> $OUT
@@ -27,15 +29,18 @@ mkdir -p "$OUT" "$WORK"
 soak() {  # SECONDS: the SOAK_RUNS soaks side by side, then their files into $WORK
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt"
   for run in ${SOAK_RUNS:-soak control}; do
-    budget=64; method=ddtree; backend=
+    budget=64; method=ddtree; backend=; mode=
     [ $run = control ] && budget=0
+    # soak: the default (on one GPU "auto", budgets up to 64 chosen by throughput); soakfixed
+    # and soakflash verify B=64 at every batch size, with the Triton kernel / the flash context
+    [ $run = soakfixed ] || [ $run = soakflash ] && mode="--budget-per-batch-size fixed"
     [ $run = dflash ] && method=dflash
     [ $run = tritonattn ] && budget=0 && backend="--attention-backend TRITON_ATTN"
     tree_attention=auto
     [ $run = soakflash ] && tree_attention=flash  # DDTree with the context part by FlashAttention
     ( DDTREE_TREE_ATTENTION=$tree_attention timeout $(( $1 + ${SOAK_SLACK:-240} )) python3 -m ddtree.cli soak --budget $budget \
         --method $method --duration "$1" \
-        --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run $backend \
+        --clients 32 --max-tokens 512 --max-num-seqs 32 --compare --out /tmp/$run $backend $mode \
         -- --kv-cache-memory-bytes ${SOAK_KV:-8G} --gpu-memory-utilization 0.15 ${SOAK_VLLM_ARGS:-} > "$WORK/$run.txt" 2>&1
       echo "soak exit: $?" >> "$WORK/$run.txt"
       tar czf "$WORK/$run.tgz" -C /tmp/$run . ) &

@@ -204,6 +204,30 @@ def _tau(args: argparse.Namespace) -> int:
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
+def budget_mode(text: str) -> str | list:
+    """``--budget-per-batch-size``: "auto", "fixed" or a JSON ``[[first, last, B], ...]``."""
+    import json
+
+    if text in ("auto", "fixed"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f'--budget-per-batch-size: "auto", "fixed" or a JSON schedule, not {text!r}'
+        ) from None
+
+
+def add_budget_mode(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget-per-batch-size",
+        type=budget_mode,
+        default=None,
+        help='ddtree_budget_per_batch_size: "auto" (on one GPU the default: budgets chosen by '
+        'throughput), "fixed" (--budget at every batch size) or [[first, last, B], ...]',
+    )
+
+
 def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """The vLLM OpenAI server command line for ``ddtree serve``."""
     import json
@@ -230,6 +254,9 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
         cmd += ["--speculative-config", json.dumps(spec), "--max-num-seqs", str(args.max_num_seqs)]
     elif draft is not None and args.budget > 0:
         spec = {"method": "ddtree", "model": draft, "ddtree_budget": args.budget}
+        per_batch = getattr(args, "budget_per_batch_size", None)
+        if per_batch is not None:
+            spec["ddtree_budget_per_batch_size"] = per_batch
         cmd += ["--speculative-config", json.dumps(spec)]
         # Every running request may verify 1 + budget tokens in one step.
         batched = max(2048, (args.budget + 1) * args.max_num_seqs + 512)
@@ -253,6 +280,10 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit(f"ddtree serve: no --model given and no bundled pair in {MODELS}")
     if args.model is not None and args.draft is None and args.budget > 0:
         raise SystemExit("ddtree serve: --model needs --draft (a DFlash drafter) or --budget 0")
+    if args.budget_per_batch_size is not None and (args.method != "ddtree" or args.budget <= 0):
+        raise SystemExit(
+            "ddtree serve: --budget-per-batch-size applies to --method ddtree with --budget > 0"
+        )
     from ddtree.vllm_plugin import plugin_env
 
     cmd = serve_command(args, extra)
@@ -384,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", default=None, help="target model (default: models/target)")
     serve.add_argument("--draft", default=None, help="DFlash drafter (default: models/drafter)")
     serve.add_argument("--budget", type=int, default=64, help="tree nodes per step; 0: no spec")
+    add_budget_mode(serve)
     serve.add_argument(
         "--method",
         choices=("ddtree", "dflash"),

@@ -125,6 +125,28 @@ def test_serve_command_methods(model_dirs):
     assert tree[names + 1 : names + 3] == ["target", target]  # short name first, path still works
     own = serve_command(_serve_args(model=target, draft=drafter), ["--served-model-name", "m"])
     assert own.count("--served-model-name") == 1  # the user's choice stands
+    fixed = serve_command(
+        _serve_args(model=target, draft=drafter, budget_per_batch_size="fixed"), []
+    )
+    assert _spec(fixed)["ddtree_budget_per_batch_size"] == "fixed"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"), [("auto", "auto"), ("fixed", "fixed"), ("[[1, 4, 63]]", [[1, 4, 63]])]
+)
+def test_budget_per_batch_size_flag(text, want):
+    from ddtree.cli import budget_mode
+
+    assert budget_mode(text) == want
+
+
+def test_budget_per_batch_size_flag_refuses_other_text():
+    import argparse
+
+    from ddtree.cli import budget_mode
+
+    with pytest.raises(argparse.ArgumentTypeError, match="auto.*fixed.*JSON"):
+        budget_mode("fast")
 
 
 @pytest.mark.parametrize(
@@ -175,3 +197,9 @@ def test_train_shape_flags_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["train", "all", "--out", "unused", "--seq-len", "0"])
     assert "must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--method", "dflash"], ["--budget", "0"]])
+def test_serve_refuses_budget_per_batch_size_without_a_tree(flags):
+    with pytest.raises(SystemExit, match="--budget-per-batch-size applies to --method ddtree"):
+        main(["serve", "--budget-per-batch-size", "fixed", *flags])

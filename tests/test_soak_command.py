@@ -30,3 +30,13 @@ def test_attention_backend_reaches_the_server_under_test_only():
 def test_no_attention_backend_by_default():
     args = _args("--budget", "64")
     assert "--attention-backend" not in server_command(64, args, 8001, "ddtree", under_test=True)
+
+
+def test_budget_per_batch_size_reaches_the_ddtree_server_only():
+    args = _args("--budget", "64", "--compare", "--budget-per-batch-size", "fixed")
+    tested = server_command(64, args, 8001, "ddtree", under_test=True)
+    assert tested[tested.index("--budget-per-batch-size") + 1] == "fixed"
+    assert "--budget-per-batch-size" not in server_command(0, args, 8002, "ddtree", False)
+    args = _args("--budget-per-batch-size", "[[1, 4, 63], [5, 32, 15]]")
+    tested = server_command(64, args, 8001, "ddtree", under_test=True)
+    assert tested[tested.index("--budget-per-batch-size") + 1] == "[[1, 4, 63], [5, 32, 15]]"

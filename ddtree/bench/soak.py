@@ -74,6 +74,9 @@ def server_command(budget: int, args, port: int, method: str, under_test: bool) 
     """``ddtree serve`` for one soak server; ``args.attention_backend`` applies to the server
     under test only (the no-spec reference keeps vLLM's choice)."""
     cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--budget", str(budget)]
+    if under_test and budget > 0 and args.budget_per_batch_size is not None:
+        mode = args.budget_per_batch_size
+        cmd += ["--budget-per-batch-size", mode if isinstance(mode, str) else json.dumps(mode)]
     cmd += ["--method", method, "--port", str(port), "--max-num-seqs", str(args.max_num_seqs)]
     if args.model:
         cmd += ["--model", args.model] + (["--draft", args.draft] if args.draft else [])
@@ -333,6 +336,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target (default: the bundled pair)")
     parser.add_argument("--draft", default=None, help="DFlash drafter (with --model)")
     parser.add_argument("--budget", type=int, default=64, help="0: a no-spec server")
+    from ddtree.cli import add_budget_mode
+
+    add_budget_mode(parser)
     parser.add_argument(
         "--method",
         choices=("ddtree", "dflash"),
