@@ -11,6 +11,7 @@
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
+#   bash benchmarks/h200.sh quick    # every GPU test beside 9 equality cases (smoke + flash; ~8 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~20 min:
 #                                    # 3 repeats per point since a171101; detach it)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min;
@@ -90,6 +91,13 @@ check)
   wait
   cat "$OUT/gpu_tests_tail.txt"
   ;;
+quick)  # what fits a short lease: every GPU test beside the smoke cases and the flash context's
+  # equality cases (not the whole suite: `check` is still due before resolving CUDA changes)
+  gpu_tests 600 > "$OUT/gpu_tests_tail.txt" &
+  equality 560 pair_nospec,pair_dflash,pair_ddtree_15,pair_ddtree_64,pair_ddtree_255,pair_ddtreeflash_64,pair_ddtreeflash_255,pair_ddtreedefault_255,pair_ddtreesync_64,pairpen_nospec,pairpen_ddtree_64
+  wait
+  cat "$OUT/gpu_tests_tail.txt"
+  ;;
 accuracy)  # issue 19's correctness runs side by side (no timings among them, ~14 min): the
   # soak on the V2 runner (the `soak` mode's runs, SOAK_RUNS; SOAK_SECONDS, 600), started first
   # so that its servers claim their memory before the check's engines start, then the check
@@ -102,7 +110,11 @@ accuracy)  # issue 19's correctness runs side by side (no timings among them, ~1
   # ACCURACY_NUMERICS=0: no numerics (measured already at the same CUDA path)
   [ "${ACCURACY_NUMERICS:-1}" = 1 ] && { OUT=$OUT/numerics bash benchmarks/h200.sh numerics > "$OUT/numerics.log" 2>&1 & }
   # ACCURACY_CHECK=0: no check beside them (when the tree under test was checked already)
-  [ "${ACCURACY_CHECK:-1}" = 1 ] && OUT=$OUT/check bash benchmarks/h200.sh check > "$OUT/check.log" 2>&1
+  # ACCURACY_CHECK=quick: the `quick` mode in its place
+  case "${ACCURACY_CHECK:-1}" in
+  1) OUT=$OUT/check bash benchmarks/h200.sh check > "$OUT/check.log" 2>&1 ;;
+  quick) OUT=$OUT/check bash benchmarks/h200.sh quick > "$OUT/check.log" 2>&1 ;;
+  esac
   wait
   tail -n 8 "$OUT/check.log" "$OUT/numerics.log" "$OUT/soak.log"
   ;;

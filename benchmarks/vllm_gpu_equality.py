@@ -454,7 +454,11 @@ def main() -> int:
     if args.case is not None:
         run_case(args.case, args.out, args.dtype)
         return 0
-    summary = drive(args.out, args.site, args.dtype, args.cases.split(","), args.jobs)
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(CASES)})")
+    summary = drive(args.out, args.site, args.dtype, cases, args.jobs)
     return 0 if all(r.get("equal") for r in summary["rows"]) else 1
 
 
