@@ -19,7 +19,8 @@
 #                                    # PROFILE_HOST=1 adds a cProfile of the host per run;
 #                                    # PROFILE_WAVES=4: 4 x c requests of mixed lengths, so
 #                                    # that prefills land among decodes, as in the bench;
-#                                    # PROFILE_PLAIN=1: no profilers, ms per step by kind)
+#                                    # PROFILE_PLAIN=1: no profilers, ms per step by kind;
+#                                    # PROFILE_8B=1: Qwen3-8B shapes, dummy weights)
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel and whole layer vs the chain, 27B (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
@@ -149,7 +150,8 @@ profile)  # torch.profiler over in-process engines (kernels per step): DDTree be
   mkdir -p "$OUT/profile"
   for run in ${PROFILE_RUNS:-63:16 0:16 255:1 0:1}; do  # budget:concurrency, budget 0: chain
     timeout 150 python3 benchmarks/profile_step.py --budget "${run%:*}" --concurrency "${run#*:}" \
-      ${PROFILE_HOST:+--host} ${PROFILE_PLAIN:+--plain-only} --waves "${PROFILE_WAVES:-1}" \
+      ${PROFILE_HOST:+--host} ${PROFILE_PLAIN:+--plain-only} ${PROFILE_8B:+--dummy-shapes} \
+      --waves "${PROFILE_WAVES:-1}" \
       --out "$OUT/profile" 2>&1 | grep -A12 "steps,\|step split"
   done
   ;;
