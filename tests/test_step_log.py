@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ddtree.bench.report import parse_steps_log  # noqa: E402
+from ddtree.bench.report import parse_step_gaps, parse_steps_log  # noqa: E402
 from ddtree.vllm_plugin import config, debug  # noqa: E402
 
 
@@ -42,6 +42,8 @@ def test_steps_are_logged_with_their_times_and_kinds(monkeypatch, caplog):
         (4, "verify"),
         (5, "verify"),
     ]  # and "mixed" at 5.020 waits for more steps
+    # the dropped step is reported apart: idle or a stall, its reader decides
+    assert parse_step_gaps(caplog.text) == [(0.011, 5.0, "plain")]
     monkeypatch.setattr(config, "SETTINGS", config.Settings())
     other = SimpleNamespace()
     debug.record_step(other, verify)

@@ -75,6 +75,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
         periods = [r["step_periods"] for r in group if r.get("step_periods")]
         if periods:
             row["step_periods"] = pool_step_periods(periods)
+        stalls = [stall for r in group for stall in r.get("stalls", [])]
+        if stalls:
+            row["stalls"] = stalls
         curves = [r["acceptance"] for r in group if r.get("acceptance")]
         if curves:
             from ddtree.budget import mean_accepted
@@ -260,10 +263,8 @@ def memory_table(engines: dict[str, dict]) -> str | None:
 STEP_KINDS = {"v": "verify", "m": "mixed", "p": "plain"}  # vllm_plugin/debug.StepPeriods
 
 
-def parse_steps_log(text: str) -> list[tuple[float, float, str]]:
-    """The steps of the ``ddtree-steps {...}`` reports in a log (``DDTREE_STEP_LOG``): one
-    ``(start, end, kind)`` per step, wall-clock seconds, kind ``verify|mixed|plain``."""
-    reports = _marked_reports(
+def _step_reports(text: str) -> list[dict]:
+    return _marked_reports(
         text,
         STEPS_MARKER,
         lambda r: (
@@ -271,14 +272,52 @@ def parse_steps_log(text: str) -> list[tuple[float, float, str]]:
             and isinstance(r.get("k"), str)
             and len(r["t"]) == len(r["k"]) + 1
             and set(r["k"]) <= set(STEP_KINDS)
+            and (r.get("gap") is None or (len(r["gap"]) == 3 and r["gap"][2] in STEP_KINDS))
         ),
-        "t / k (one more time than kinds)",
+        "t / k (one more time than kinds), gap [start, seconds, kind]",
     )
+
+
+def parse_steps_log(text: str) -> list[tuple[float, float, str]]:
+    """The steps of the ``ddtree-steps {...}`` reports in a log (``DDTREE_STEP_LOG``): one
+    ``(start, end, kind)`` per step, wall-clock seconds, kind ``verify|mixed|plain``."""
     return [
         (start, end, STEP_KINDS[kind])
-        for r in reports
+        for r in _step_reports(text)
         for start, end, kind in zip(r["t"][:-1], r["t"][1:], r["k"], strict=True)
     ]
+
+
+def parse_step_gaps(text: str) -> list[tuple[float, float, str]]:
+    """The steps the step log left out of its periods, each followed by more than
+    ``StepPeriods.IDLE_S`` without a step (idle, or a stall): ``(start, seconds, kind)``."""
+    return [
+        (r["gap"][0], r["gap"][1], STEP_KINDS[r["gap"][2]])
+        for r in _step_reports(text)
+        if r.get("gap")
+    ]
+
+
+def window_steps(text: str, rows: list[dict]) -> None:
+    """Each row's ``step_periods`` from its ``window`` (popped) and, where a step took over
+    ``IDLE_S`` inside the window (the engine was busy: a stall), ``stalls``: ``[[seconds,
+    kind], ...]``. A log that does not parse: ``step_log_error`` on every row."""
+    try:
+        steps, gaps = parse_steps_log(text), parse_step_gaps(text)
+    except ValueError as err:
+        for row in rows:
+            row.pop("window", None)
+            row["step_log_error"] = str(err)
+        return
+    for row in rows:
+        window = row.pop("window", None)
+        if not (steps and window):
+            continue
+        row["step_periods"] = step_periods(steps, *window)
+        start, end = window
+        stalls = [[round(sec, 2), kind] for t, sec, kind in gaps if start <= t < end]
+        if stalls:
+            row["stalls"] = stalls
 
 
 def _mean_periods(cells: Iterable[tuple[str, int, float]]) -> dict:
@@ -331,6 +370,17 @@ def step_period_table(rows: list[dict]) -> str | None:
             + " | ".join(cells)
             + " |"
         )
+    stalls = [
+        f"{r['engine']} c={r['concurrency']} T={r['temperature']:g}: "
+        + ", ".join(f"{sec:.2f} s ({kind})" for sec, kind in r["stalls"])
+        for r in rows
+        if r.get("stalls")
+    ]
+    if stalls:
+        lines.append(
+            "\nSteps that took over 1 s inside a measurement (stalls; not in the means above): "
+            + "; ".join(stalls)
+        )
     return "\n".join(lines)
 
 
@@ -343,17 +393,9 @@ def rows_from_logs(out: Path) -> tuple[list[dict], list[str]]:
     runs, engines = [], []
     for log in sorted(out.glob("*.log")):
         text = log.read_text(errors="replace")
-        try:
-            steps = parse_steps_log(text)
-        except ValueError:
-            steps = []
-        for line in text.splitlines():
-            if not line.startswith('{"engine"'):
-                continue
-            row = json.loads(line)
-            window = row.pop("window", None)
-            if steps and window:
-                row["step_periods"] = step_periods(steps, *window)
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith('{"engine"')]
+        window_steps(text, rows)
+        for row in rows:
             runs.append(row)
             if row["engine"] not in engines:
                 engines.append(row["engine"])

@@ -38,11 +38,10 @@ from ddtree.bench.report import (
     parse_acceptance_log,
     parse_memory_log,
     parse_profile_log,
-    parse_steps_log,
     plot,
-    step_periods,
     sum_acceptance,
     summary_markdown,
+    window_steps,
 )
 from ddtree.bench.shapes import DUMMY_SHAPES, write_dummy_shapes
 from ddtree.budget import mean_accepted, schedule_label
@@ -495,17 +494,10 @@ def run_engine(name: str, args, log: Path | None = None) -> None:
         rows.append({"engine": name, **row})
         print(json.dumps(rows[-1]), flush=True)
     text = log.read_text(errors="replace") if log is not None else ""
-    steps = []
     if args.step_log:  # the steps each measurement's window holds (lines come in late)
-        try:
-            steps = parse_steps_log(text)
-        except ValueError as err:
-            for row in rows:
-                row["step_log_error"] = str(err)
+        window_steps(text, rows)
     for row in rows:
-        window = row.pop("window")
-        if steps:
-            row["step_periods"] = step_periods(steps, *window)
+        row.pop("window", None)
     config = llm.llm_engine.vllm_config
     memory = parse_memory_log(text)  # None without a log
     result = {

@@ -146,9 +146,12 @@ class StepPeriods:
     times], "k": "N kinds"}``: step i ran from ``t[i]`` to ``t[i + 1]``, so a reader can keep
     the steps inside a time window. Kinds: ``v`` (every request verifies drafts), ``m`` (some
     do: a prefill among decodes), ``p`` (none: prefills, or an engine without drafts). A gap
-    of more than ``IDLE_S`` ends a run of steps: the step before it is dropped (the engine was
-    idle, not stepping). Host clock only, no sync: under async scheduling the period is the
-    step time the engine runs at. The last < N steps before the engine stops are not logged."""
+    of more than ``IDLE_S`` ends a run of steps: the step before it is dropped from the
+    periods (the engine was idle, or that step stalled: the host cannot tell) and logged as
+    ``"gap": [start, seconds, kind]`` on the run's last line, so that a reader who knows the
+    engine was busy (a benchmark's window) can report it as a stall. Host clock only, no sync:
+    under async scheduling the period is the step time the engine runs at. The last < N steps
+    before the engine stops are not logged."""
 
     IDLE_S = 1.0
     clock = staticmethod(time.time)
@@ -170,7 +173,8 @@ class StepPeriods:
             return
         now = self.clock()
         if self.times and now - self.times[-1] > self.IDLE_S:
-            self._flush(self.times, self.kinds[:-1])  # the last step's end is unknown
+            gap = [round(self.times[-1], 6), round(now - self.times[-1], 3), self.kinds[-1]]
+            self._flush(self.times, self.kinds[:-1], gap)  # the last step's end is unknown
             self.times, self.kinds = [], []
         self.times.append(now)
         self.kinds.append(self.kind(scheduler_output))
@@ -179,10 +183,12 @@ class StepPeriods:
             self.times, self.kinds = self.times[-1:], self.kinds[-1:]
 
     @staticmethod
-    def _flush(times: list[float], kinds: list[str]) -> None:
-        if not kinds:
+    def _flush(times: list[float], kinds: list[str], gap: list | None = None) -> None:
+        report: dict = {"t": [round(t, 6) for t in times[: len(kinds) + 1]], "k": "".join(kinds)}
+        if gap is not None:
+            report["gap"] = gap
+        elif not kinds:
             return
-        report = {"t": [round(t, 6) for t in times[: len(kinds) + 1]], "k": "".join(kinds)}
         log.warning("%s%s", STEPS_MARKER, json.dumps(report, separators=(",", ":")))
 
 
