@@ -784,24 +784,26 @@ def test_step_periods_from_the_log_by_window_pooled_and_tabled():
 def test_steps_over_a_second_inside_a_window_are_stalls():
     text = "\n".join(
         [
-            'W ddtree-steps {"t":[10.0,10.01,10.02],"k":"vv","gap":[10.02,3.06,"v"]}',
+            'W ddtree-steps {"t":[10.0,10.01,10.02],"k":"vv","gap":[10.02,3.06,"v",15]}',
             'W ddtree-steps {"t":[13.08,13.09],"k":"v"}',
-            'W ddtree-steps {"t":[40.0],"k":"","gap":[40.0,9.5,"p"]}',  # between windows: idle
+            'W ddtree-steps {"t":[40.0],"k":"","gap":[40.0,9.5,"p",0]}',  # between windows: idle
         ]
     )
-    assert report.parse_step_gaps(text) == [(10.02, 3.06, "verify"), (40.0, 9.5, "plain")]
+    assert report.parse_step_gaps(text) == [(10.02, 3.06, "verify", 15), (40.0, 9.5, "plain", 0)]
     base = {"engine": "ddtree-a255", "concurrency": 1, "temperature": 0.0, "tokens_per_s": 1.0}
     rows = [{**base, "window": [9.0, 14.0]}, {**base, "repeat": 1, "window": [50.0, 51.0]}]
     report.window_steps(text, rows)
-    assert rows[0]["stalls"] == [[3.06, "verify"]] and "window" not in rows[0]
+    assert rows[0]["stalls"] == [[3.06, "verify", 15]] and "window" not in rows[0]
     assert rows[0]["step_periods"] == {"verify": {"steps": 3, "ms": 10.0}}
     assert "stalls" not in rows[1]
     (row,) = report.aggregate(rows)
-    assert row["stalls"] == [[3.06, "verify"]]
-    assert "ddtree-a255 c=1 T=0: 3.06 s (verify)" in report.step_period_table([row])
+    assert row["stalls"] == [[3.06, "verify", 15]]
+    assert "ddtree-a255 c=1 T=0: 3.06 s (verify, 15 drafts)" in report.step_period_table([row])
     bad = [{**base, "window": [9.0, 14.0]}]
-    report.window_steps('W ddtree-steps {"t":[1.0],"k":"","gap":[1.0,2.0,"x"]}', bad)
-    assert "gap [start, seconds, kind]" in bad[0]["step_log_error"] and "window" not in bad[0]
+    report.window_steps('W ddtree-steps {"t":[1.0],"k":"","gap":[1.0,2.0,"x",0]}', bad)
+    assert (
+        "gap [start, seconds, kind, drafts]" in bad[0]["step_log_error"] and "window" not in bad[0]
+    )
 
 
 def test_step_log_env_reaches_every_engine():

@@ -43,8 +43,25 @@ def test_steps_are_logged_with_their_times_and_kinds(monkeypatch, caplog):
         (5, "verify"),
     ]  # and "mixed" at 5.020 waits for more steps
     # the dropped step is reported apart: idle or a stall, its reader decides
-    assert parse_step_gaps(caplog.text) == [(0.011, 5.0, "plain")]
+    assert parse_step_gaps(caplog.text) == [(0.011, 5.0, "plain", 0)]
     monkeypatch.setattr(config, "SETTINGS", config.Settings())
     other = SimpleNamespace()
     debug.record_step(other, verify)
     assert not hasattr(other, "ddtree_step_periods")  # off: nothing is kept
+
+
+def test_a_gap_names_the_drafts_of_the_step_before_it(monkeypatch, caplog):
+    clock = iter([0.0, 0.01, 3.5])
+    monkeypatch.setattr(debug.StepPeriods, "clock", staticmethod(lambda: next(clock)))
+    monkeypatch.setattr(config, "SETTINGS", config.Settings(step_log_every=8))
+    runner = SimpleNamespace()
+    with caplog.at_level(logging.WARNING, logger="vllm.ddtree"):
+        for step in (
+            _step({"a": [1]}, {"a": 2}),
+            _step({"a": [1, 2, 3], "b": [4]}, {"a": 4, "b": 2}),
+        ):
+            debug.record_step(runner, step)
+        debug.record_step(runner, _step({"a": [5]}, {"a": 2}))  # 3.49 s after the second
+    assert parse_step_gaps(caplog.text) == [(0.01, 3.49, "verify", 3)]
+    assert [k for _, _, k in parse_steps_log(caplog.text)] == ["verify"]
+    monkeypatch.setattr(config, "SETTINGS", config.Settings())

@@ -272,9 +272,9 @@ def _step_reports(text: str) -> list[dict]:
             and isinstance(r.get("k"), str)
             and len(r["t"]) == len(r["k"]) + 1
             and set(r["k"]) <= set(STEP_KINDS)
-            and (r.get("gap") is None or (len(r["gap"]) == 3 and r["gap"][2] in STEP_KINDS))
+            and (r.get("gap") is None or (len(r["gap"]) == 4 and r["gap"][2] in STEP_KINDS))
         ),
-        "t / k (one more time than kinds), gap [start, seconds, kind]",
+        "t / k (one more time than kinds), gap [start, seconds, kind, drafts]",
     )
 
 
@@ -288,20 +288,18 @@ def parse_steps_log(text: str) -> list[tuple[float, float, str]]:
     ]
 
 
-def parse_step_gaps(text: str) -> list[tuple[float, float, str]]:
+def parse_step_gaps(text: str) -> list[tuple[float, float, str, int]]:
     """The steps the step log left out of its periods, each followed by more than
-    ``StepPeriods.IDLE_S`` without a step (idle, or a stall): ``(start, seconds, kind)``."""
-    return [
-        (r["gap"][0], r["gap"][1], STEP_KINDS[r["gap"][2]])
-        for r in _step_reports(text)
-        if r.get("gap")
-    ]
+    ``StepPeriods.IDLE_S`` without a step (idle, or a stall): ``(start, seconds, kind,
+    drafts)``, drafts: the most one request of that step verified."""
+    gaps = [r["gap"] for r in _step_reports(text) if r.get("gap")]
+    return [(start, seconds, STEP_KINDS[kind], drafts) for start, seconds, kind, drafts in gaps]
 
 
 def window_steps(text: str, rows: list[dict]) -> None:
     """Each row's ``step_periods`` from its ``window`` (popped) and, where a step took over
     ``IDLE_S`` inside the window (the engine was busy: a stall), ``stalls``: ``[[seconds,
-    kind], ...]``. A log that does not parse: ``step_log_error`` on every row."""
+    kind, drafts], ...]``. A log that does not parse: ``step_log_error`` on every row."""
     try:
         steps, gaps = parse_steps_log(text), parse_step_gaps(text)
     except ValueError as err:
@@ -315,7 +313,7 @@ def window_steps(text: str, rows: list[dict]) -> None:
             continue
         row["step_periods"] = step_periods(steps, *window)
         start, end = window
-        stalls = [[round(sec, 2), kind] for t, sec, kind in gaps if start <= t < end]
+        stalls = [[round(sec, 2), kind, k] for t, sec, kind, k in gaps if start <= t < end]
         if stalls:
             row["stalls"] = stalls
 
@@ -372,7 +370,7 @@ def step_period_table(rows: list[dict]) -> str | None:
         )
     stalls = [
         f"{r['engine']} c={r['concurrency']} T={r['temperature']:g}: "
-        + ", ".join(f"{sec:.2f} s ({kind})" for sec, kind in r["stalls"])
+        + ", ".join(f"{sec:.2f} s ({kind}, {k} drafts)" for sec, kind, k in r["stalls"])
         for r in rows
         if r.get("stalls")
     ]

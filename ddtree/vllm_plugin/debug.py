@@ -148,7 +148,8 @@ class StepPeriods:
     do: a prefill among decodes), ``p`` (none: prefills, or an engine without drafts). A gap
     of more than ``IDLE_S`` ends a run of steps: the step before it is dropped from the
     periods (the engine was idle, or that step stalled: the host cannot tell) and logged as
-    ``"gap": [start, seconds, kind]`` on the run's last line, so that a reader who knows the
+    ``"gap": [start, seconds, kind, drafts]`` on the run's last line (drafts: the most a
+    request of that step verified), so that a reader who knows the
     engine was busy (a benchmark's window) can report it as a stall. Host clock only, no sync:
     under async scheduling the period is the step time the engine runs at. The last < N steps
     before the engine stops are not logged."""
@@ -160,6 +161,7 @@ class StepPeriods:
         self.every = every
         self.times: list[float] = []
         self.kinds: list[str] = []
+        self.drafts = 0  # the last step's most drafts of one request
 
     @staticmethod
     def kind(scheduler_output) -> str:
@@ -173,11 +175,17 @@ class StepPeriods:
             return
         now = self.clock()
         if self.times and now - self.times[-1] > self.IDLE_S:
-            gap = [round(self.times[-1], 6), round(now - self.times[-1], 3), self.kinds[-1]]
+            gap = [
+                round(self.times[-1], 6), round(now - self.times[-1], 3), self.kinds[-1],
+                self.drafts,
+            ]  # fmt: skip
             self._flush(self.times, self.kinds[:-1], gap)  # the last step's end is unknown
             self.times, self.kinds = [], []
         self.times.append(now)
         self.kinds.append(self.kind(scheduler_output))
+        self.drafts = max(
+            map(len, scheduler_output.scheduled_spec_decode_tokens.values()), default=0
+        )
         if len(self.kinds) > self.every:
             self._flush(self.times, self.kinds[:-1])
             self.times, self.kinds = self.times[-1:], self.kinds[-1:]
