@@ -94,10 +94,7 @@ class GraphCache:
     def __call__(self, *inputs: torch.Tensor, **options: Any) -> Any:
         if not (self.enabled and inputs[0].is_cuda):
             return self.fn(*inputs, **options)
-        key = (tuple((t.shape, t.dtype) for t in inputs), tuple(sorted(options.items())))
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = self._capture(inputs, options)
+        entry = self._entry(inputs, options)
         for static, value in zip(entry.inputs, inputs, strict=True):
             if static is not value:
                 if self.inputs_in_place:
@@ -105,6 +102,20 @@ class GraphCache:
                 static.copy_(value, non_blocking=True)
         entry.graph.replay()
         return entry.outputs
+
+    def prepare(self, *inputs: torch.Tensor, **options: Any) -> None:
+        """Capture the graph for these inputs' shapes now (at start-up: no capture, nor the
+        eager run before it, in a served step), without replaying it. A no-op where
+        ``__call__`` runs eagerly."""
+        if self.enabled and inputs[0].is_cuda:
+            self._entry(inputs, options)
+
+    def _entry(self, inputs, options) -> _Entry:
+        key = (tuple((t.shape, t.dtype) for t in inputs), tuple(sorted(options.items())))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._capture(inputs, options)
+        return entry
 
     def _capture(self, inputs, options) -> _Entry:
         static = list(inputs) if self.inputs_in_place else [t.clone() for t in inputs]

@@ -341,8 +341,9 @@ def _check_v1_settings(vllm_config) -> None:
 
 
 def _patch_workers_warm_up() -> None:
-    """The cost model is fitted at the end of the worker's warm-up where vLLM captures no
-    graphs (the CPU, ``enforce_eager``); with graphs it ran before DDTree's own capture."""
+    """At the end of the worker's warm-up: the V2 tree sampler's tail graphs captured for
+    every request bucket; the cost model fitted where vLLM captures no graphs (the CPU,
+    ``enforce_eager``; with graphs it ran before DDTree's own capture); "auto" timed."""
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -360,8 +361,12 @@ def _patch_workers_warm_up() -> None:
             result = original(self, *args, **kwargs)
             engine = engine_of(self.model_runner)
             if engine is not None:
-                propose.fit_step_budgets(engine, self.model_runner)
-                tuner.start(engine, self.model_runner)  # "auto" budgets (either runner)
+                runner = self.model_runner
+                tail = getattr(runner, "rejection_sampler", None)
+                if hasattr(tail, "capture_tails"):  # the V2 tree sampler
+                    tail.capture_tails(runner.max_num_reqs, runner.device)
+                propose.fit_step_budgets(engine, runner)
+                tuner.start(engine, runner)  # "auto" budgets (either runner)
             return result
 
 

@@ -136,6 +136,12 @@ class TreeSampler:
                 )
                 stats.step()
 
+    def capture_tails(self, max_num_reqs: int, device: torch.device) -> None:
+        """The tail's graph of every request bucket, at start-up: otherwise the first step of
+        each bucket pays its eager run (first-use compiles) and capture while serving."""
+        for rows in graphs.buckets(max_num_reqs):
+            self.tail.prepare(*self._tail_buffers(rows, device))
+
     def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The tail's inputs for a bucket of ``rows`` requests (made once per bucket):
         node targets ``[rows, Q]``, num_logits, chunk, start ``[rows]`` long, active bool."""
