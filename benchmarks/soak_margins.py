@@ -137,10 +137,13 @@ def main() -> None:
     args = parser.parse_args()
     inputs = [("DDTree vs no-spec", args.soak), ("no-spec vs no-spec", args.control)]
     for item in args.run:
-        label, sep, path = item.partition("=")
+        label, sep, path = item.rpartition("=")  # a label may hold "=" ("B=64"), a path rarely
         if not sep or not label or not path:
             parser.error(f"--run wants LABEL=SOAK_JSON, got {item!r}")
         inputs.append((label, Path(path)))
+    missing = [f"{label}: {path}" for label, path in inputs if path and not path.is_file()]
+    if missing:  # before the model loads
+        parser.error("no such soak.json: " + "; ".join(missing))
     torch.set_num_threads(os.cpu_count() or 1)
     tok = AutoTokenizer.from_pretrained(TARGET)
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()

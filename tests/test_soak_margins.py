@@ -62,3 +62,16 @@ def test_summary_counts_sides():
     assert s["mismatches"] == 4 and s["one_answer_is_prefix_of_other"] == 1
     assert s["float32_prefers_server"] == 1 and s["float32_prefers_no_spec"] == 2
     assert s["top2_float32_prefers_server"] == 1 and s["top2_abs_margin_max"] == 0.3
+
+
+def test_run_labels_may_hold_equals_and_missing_files_are_named(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(
+        "sys.argv",
+        ["soak_margins.py", "--soak", str(tmp_path / "a.json"), "--out", str(tmp_path),
+         "--run", f"DDTree B=64=={tmp_path / 'b.json'}"],
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        soak_margins.main()
+    err = capsys.readouterr().err
+    assert f"DDTree B=64=: {tmp_path / 'b.json'}" in err  # the label keeps its "="s
+    assert f"DDTree vs no-spec: {tmp_path / 'a.json'}" in err
