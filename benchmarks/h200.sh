@@ -11,7 +11,7 @@
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
-#   bash benchmarks/h200.sh quick    # every GPU test beside 9 equality cases (smoke + flash; ~8 min)
+#   bash benchmarks/h200.sh quick    # every GPU test beside 11 equality cases (incl. flash; ~8 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~20 min:
 #                                    # 3 repeats per point since a171101; detach it)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min;

@@ -254,9 +254,8 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
         cmd += ["--speculative-config", json.dumps(spec), "--max-num-seqs", str(args.max_num_seqs)]
     elif draft is not None and args.budget > 0:
         spec = {"method": "ddtree", "model": draft, "ddtree_budget": args.budget}
-        per_batch = getattr(args, "budget_per_batch_size", None)
-        if per_batch is not None:
-            spec["ddtree_budget_per_batch_size"] = per_batch
+        if args.budget_per_batch_size is not None:
+            spec["ddtree_budget_per_batch_size"] = args.budget_per_batch_size
         cmd += ["--speculative-config", json.dumps(spec)]
         # Every running request may verify 1 + budget tokens in one step.
         batched = max(2048, (args.budget + 1) * args.max_num_seqs + 512)

@@ -95,6 +95,7 @@ def _serve_args(**kw):
         "budget": 64,
         "max_num_seqs": 32,
         "method": "ddtree",
+        "budget_per_batch_size": None,
     }
     return argparse.Namespace(**{**base, **kw})
 

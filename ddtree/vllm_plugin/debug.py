@@ -165,10 +165,14 @@ class StepPeriods:
 
     @staticmethod
     def kind(scheduler_output) -> str:
+        return StepPeriods._kind_and_drafts(scheduler_output)[0]
+
+    @staticmethod
+    def _kind_and_drafts(scheduler_output) -> tuple[str, int]:
         from ddtree.vllm_plugin.tuner import scheduled_drafts
 
         _, uniform, longest = scheduled_drafts(scheduler_output)
-        return "v" if uniform else ("m" if longest else "p")
+        return ("v" if uniform else ("m" if longest else "p")), longest
 
     def record(self, scheduler_output) -> None:
         if not scheduler_output.total_num_scheduled_tokens:
@@ -181,11 +185,9 @@ class StepPeriods:
             ]  # fmt: skip
             self._flush(self.times, self.kinds[:-1], gap)  # the last step's end is unknown
             self.times, self.kinds = [], []
+        kind, self.drafts = self._kind_and_drafts(scheduler_output)
         self.times.append(now)
-        self.kinds.append(self.kind(scheduler_output))
-        self.drafts = max(
-            map(len, scheduler_output.scheduled_spec_decode_tokens.values()), default=0
-        )
+        self.kinds.append(kind)
         if len(self.kinds) > self.every:
             self._flush(self.times, self.kinds[:-1])
             self.times, self.kinds = self.times[-1:], self.kinds[-1:]
