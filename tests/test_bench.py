@@ -786,10 +786,14 @@ def test_steps_over_a_second_inside_a_window_are_stalls():
         [
             'W ddtree-steps {"t":[10.0,10.01,10.02],"k":"vv","gap":[10.02,3.06,"v",15]}',
             'W ddtree-steps {"t":[13.08,13.09],"k":"v"}',
+            # the window's last step, then idle while other engines are measured: not a stall
+            'W ddtree-steps {"t":[13.09],"k":"","gap":[13.09,10.12,"v",15]}',
             'W ddtree-steps {"t":[40.0],"k":"","gap":[40.0,9.5,"p",0]}',  # between windows: idle
         ]
     )
-    assert report.parse_step_gaps(text) == [(10.02, 3.06, "verify", 15), (40.0, 9.5, "plain", 0)]
+    assert report.parse_step_gaps(text) == [
+        (10.02, 3.06, "verify", 15), (13.09, 10.12, "verify", 15), (40.0, 9.5, "plain", 0)
+    ]  # fmt: skip
     base = {"engine": "ddtree-a255", "concurrency": 1, "temperature": 0.0, "tokens_per_s": 1.0}
     rows = [{**base, "window": [9.0, 14.0]}, {**base, "repeat": 1, "window": [50.0, 51.0]}]
     report.window_steps(text, rows)

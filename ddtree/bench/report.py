@@ -298,7 +298,7 @@ def parse_step_gaps(text: str) -> list[tuple[float, float, str, int]]:
 
 def window_steps(text: str, rows: list[dict]) -> None:
     """Each row's ``step_periods`` from its ``window`` (popped) and, where a step took over
-    ``IDLE_S`` inside the window (the engine was busy: a stall), ``stalls``: ``[[seconds,
+    ``IDLE_S`` and ended inside the window (the engine was busy: a stall), ``stalls``: ``[[seconds,
     kind, drafts], ...]``. A log that does not parse: ``step_log_error`` on every row."""
     try:
         steps, gaps = parse_steps_log(text), parse_step_gaps(text)
@@ -313,7 +313,10 @@ def window_steps(text: str, rows: list[dict]) -> None:
             continue
         row["step_periods"] = step_periods(steps, *window)
         start, end = window
-        stalls = [[round(sec, 2), kind, k] for t, sec, kind, k in gaps if start <= t < end]
+        # a gap that outlasts the window followed its last step: the engine went idle
+        stalls = [
+            [round(sec, 2), kind, k] for t, sec, kind, k in gaps if start <= t and t + sec <= end
+        ]
         if stalls:
             row["stalls"] = stalls
 

@@ -365,6 +365,7 @@ def _patch_workers_warm_up() -> None:
                 tail = getattr(runner, "rejection_sampler", None)
                 if hasattr(tail, "capture_tails"):  # the V2 tree sampler
                     tail.capture_tails(runner.max_num_reqs, runner.device)
+                    tail.warm_chain_step(runner)
                 propose.fit_step_budgets(engine, runner)
                 tuner.start(engine, runner)  # "auto" budgets (either runner)
             return result

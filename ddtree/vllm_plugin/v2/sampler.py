@@ -142,6 +142,31 @@ class TreeSampler:
         for rows in graphs.buckets(max_num_reqs):
             self.tail.prepare(*self._tail_buffers(rows, device))
 
+    @torch.inference_mode()
+    def warm_chain_step(self, runner) -> None:
+        """The chain-sized step's kernels — vLLM's rejection sampler at this engine's B, the
+        chain sums — run once at start-up on vLLM's dummy batch of one request: their first
+        use compiles Triton kernels (seconds), which an "auto" engine would otherwise pay in
+        the served step where its tuner first picks a chain-sized tree. The sums go to
+        scratch tensors, not to the tuner's curve."""
+        if self.chain_sampler is None:
+            return
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+
+        hidden = torch.zeros(
+            1, runner.model_config.get_hidden_size(), dtype=runner.dtype, device=runner.device
+        )
+        batch = InputBatch.make_dummy(1, 1, runner.input_buffers)
+        output = self.chain_sampler(runner.model.compute_logits(hidden), batch, None)
+        for stats in (self.engine.acceptance, self.engine.tuner):
+            if stats is not None:
+                curve = stats.curve
+                kernels.chain_acceptance(
+                    output.num_sampled, batch.cu_num_logits,
+                    torch.zeros_like(curve.rows), torch.zeros_like(curve.accepted),
+                )  # fmt: skip
+                break
+
     def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The tail's inputs for a bucket of ``rows`` requests (made once per bucket):
         node targets ``[rows, Q]``, num_logits, chunk, start ``[rows]`` long, active bool."""
