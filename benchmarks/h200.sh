@@ -39,7 +39,8 @@
 #                                    # SCHED_TEMPS=0 SCHED_REPEATS=2: ~7 min; SCHED_BUDGETS,
 #                                    # SCHED_SCHEDULES: fewer engines; SCHED_CAPTURE=2048: every
 #                                    # engine's CUDA graphs up to 2048 tokens, not vLLM's 512;
-#                                    # SCHED_METHODS=dflash: the chain and "auto" only)
+#                                    # SCHED_METHODS=dflash: no fixed budgets, only the chain,
+#                                    # the schedules and "auto")
 #   bash benchmarks/h200.sh json     # structured output (JSON schema): chain vs DDTree (~5 min)
 #   bash benchmarks/h200.sh trainhybrid # train a hybrid pair into HYBRID_PAIR (/tmp/hyb8; ~10 min?)
 #   bash benchmarks/h200.sh hybridpair # a hybrid pair (HYBRID_PAIR; models/hybrid, else /tmp/hyb8): chain
