@@ -158,14 +158,13 @@ class TreeSampler:
         )
         batch = InputBatch.make_dummy(1, 1, runner.input_buffers)
         output = self.chain_sampler(runner.model.compute_logits(hidden), batch, None)
-        for stats in (self.engine.acceptance, self.engine.tuner):
-            if stats is not None:
-                curve = stats.curve
-                kernels.chain_acceptance(
-                    output.num_sampled, batch.cu_num_logits,
-                    torch.zeros_like(curve.rows), torch.zeros_like(curve.accepted),
-                )  # fmt: skip
-                break
+        stats = self.engine.tuner or self.engine.acceptance  # one launch compiles it
+        if stats is not None:
+            curve = stats.curve
+            kernels.chain_acceptance(
+                output.num_sampled, batch.cu_num_logits,
+                torch.zeros_like(curve.rows), torch.zeros_like(curve.accepted),
+            )  # fmt: skip
 
     def _tail_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The tail's inputs for a bucket of ``rows`` requests (made once per bucket):
