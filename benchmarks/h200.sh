@@ -21,6 +21,8 @@
 #                                    # that prefills land among decodes, as in the bench;
 #                                    # PROFILE_PLAIN=1: no profilers, ms per step by kind;
 #                                    # PROFILE_8B=1: Qwen3-8B shapes, dummy weights)
+#   bash benchmarks/h200.sh attntime # the paged tree attention kernel per launch shape, 8B
+#                                    # shapes, CUDA graphs (~3 min): its fastest settings
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel and whole layer vs the chain, 27B (~4 min)
 #   bash benchmarks/h200.sh tree     # fused tree kernels: GPU tests + timings vs torch (~5-8 min:
 #                                    # the tests compile ~100 kernel variants on a cold cache)
@@ -160,6 +162,12 @@ profile)  # torch.profiler over in-process engines (kernels per step): DDTree be
       --waves "${PROFILE_WAVES:-1}" \
       --out "$OUT/profile" 2>&1 | grep -A12 "steps,\|step split"
   done
+  ;;
+attntime)  # the paged tree attention kernel per launch shape (rows per program, key block,
+  # warps, stages) at Qwen3-8B shapes, from CUDA graphs (~3 min; ATTN_FLAGS: fewer shapes)
+  timeout 480 python3 benchmarks/paged_tree_time.py --out "$OUT/paged_tree_time.json" \
+    ${ATTN_FLAGS:-} > "$OUT/paged_tree_time.txt" 2>&1
+  tail -18 "$OUT/paged_tree_time.txt"
   ;;
 gdn)  # tree GDN kernel vs vLLM's chain kernel, Qwen3.6-27B GDN shapes (issue 21)
   timeout 420 python3 benchmarks/gdn_tree.py --out "$OUT/gdn_tree.json" > "$OUT/gdn_tree.txt" 2>&1

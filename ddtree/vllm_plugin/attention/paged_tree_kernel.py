@@ -121,6 +121,8 @@ def paged_tree_attention(
     first_slot: int = 0,
     context_out: torch.Tensor | None = None,
     context_lse: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Write the tree requests' rows of ``output [T, H, hd]`` from slot ``first_slot`` on (other
     rows are left alone: e.g. a forced chain's, which the backend's causal pass computes).
@@ -137,6 +139,9 @@ def paged_tree_attention(
     log, ``-inf`` where the context is empty), both given or neither: every row's attention
     over its request's cached context, computed elsewhere (FlashAttention); the kernel then
     reads only the tree's own slots and folds them in.
+
+    ``rows_per_program``, ``block_n``, ``num_warps``, ``num_stages``: the launch shape (Triton's
+    defaults for the last two when None); ``benchmarks/paged_tree_time.py`` times the choices.
     """
     num_reqs = tree_rows.shape[0]
     num_heads, head_size = query.shape[1:]
@@ -159,6 +164,7 @@ def paged_tree_attention(
     ctx_out = context_out if given else output  # not read without CONTEXT_GIVEN
     ctx_lse = context_lse if given else output[:, :, 0]
     grid = (num_reqs, triton.cdiv(max_query_len - first_slot, block_q), num_kv_heads)
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     _paged_tree_attention_kernel[grid](
         query, kv_cache, output,
         query_start_loc, seq_lens, block_table, tree_rows, depths, ancestors,
@@ -169,5 +175,5 @@ def paged_tree_attention(
         depths.stride(0), ancestors.stride(0), ancestors.stride(1),
         ctx_out.stride(0), ctx_out.stride(1), ctx_lse.stride(0), ctx_lse.stride(1),
         HEAD_DIM=head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
-        CONTEXT_GIVEN=given,
+        CONTEXT_GIVEN=given, **launch,
     )  # fmt: skip

@@ -1,0 +1,218 @@
+"""The paged tree attention kernel (the V2 verify graphs') timed per launch shape, at Qwen3-8B
+attention shapes: which rows per program, key block, warps and pipeline stages to use.
+
+Each (requests R, budget B, cached context C) case is one verify step's attention of one layer:
+R trees of 1 + B slots (D = 15) over a paged bf16 cache in random block order, the forced chain's
+16 rows left to the backend (``first_slot`` 16, as the engine calls it). Every launch shape is
+timed from one CUDA graph of 20 launches (CUDA events, median of 5 replays: no host launch
+cost), and its output compared with the default shape's (the engine's, tested against the
+reference in tests/test_paged_tree_kernel.py). Writes JSON rows and a table: per case the
+default's time, the fastest shape's, and the one shape that is fastest over all cases.
+
+    python benchmarks/paged_tree_time.py --out /tmp/paged_tree_time.json     # CUDA
+    TRITON_INTERPRET=1 python benchmarks/paged_tree_time.py --smoke --out X  # the script's own
+                                                                              # check, any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import ddtree
+from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+
+DEFAULT = {"rows_per_program": 64, "block_n": 32, "num_warps": None, "num_stages": None}
+CHAIN_SLOTS = 16  # the root and a forced chain of D = 15: the backend's rows
+
+
+def make_case(reqs: int, budget: int, context: int, shape: dict, device: str) -> dict:
+    """The kernel's inputs for ``reqs`` trees of ``budget`` nodes over ``context`` tokens."""
+    gen = torch.Generator().manual_seed(reqs * 7919 + budget * 31 + context)
+    heads, kv_heads, head, block = shape["heads"], shape["kv_heads"], shape["head"], shape["block"]
+    slots = budget + 1
+    trees = ddtree.build_tree(torch.randn(reqs, 15, shape["vocab"], generator=gen) * 2, budget)
+    per_req = -(-(context + slots) // block)
+    num_blocks = reqs * per_req
+    memory = torch.randn(num_blocks, block, kv_heads, 2 * head, generator=gen) * 0.5
+    cu = torch.arange(reqs + 1, dtype=torch.int32) * slots
+    inputs = {
+        "query": torch.randn(reqs * slots, heads, head, generator=gen),
+        "kv_cache": memory.permute(0, 2, 1, 3),  # vLLM's logical view of NHD memory
+        "query_start_loc": cu,
+        "seq_lens": torch.full((reqs,), context + slots, dtype=torch.int32),
+        "block_table": torch.randperm(num_blocks, generator=gen).view(reqs, per_req).int(),
+        "tree_rows": torch.arange(reqs, dtype=torch.int32),
+        "depths": trees.depths.int().contiguous(),
+        "ancestors": trees.ancestors.int().contiguous(),
+    }
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out = {}
+    for name, t in inputs.items():
+        t = t.to(dtype) if t.is_floating_point() else t
+        out[name] = t.to(device)
+    out["output"] = torch.zeros_like(out["query"])
+    out["scale"] = head**-0.5
+    out["max_query_len"] = slots
+    return out
+
+
+def launch(case: dict, config: dict) -> None:
+    paged_tree_attention(
+        case["query"], case["kv_cache"], case["output"], case["query_start_loc"],
+        case["seq_lens"], case["block_table"], case["tree_rows"], case["depths"],
+        case["ancestors"], case["scale"], case["max_query_len"], first_slot=CHAIN_SLOTS,
+        **config,
+    )  # fmt: skip
+
+
+def time_us(case: dict, config: dict, device: str) -> float:
+    """Microseconds per launch: from a CUDA graph of 20 launches (median of 5 replays), or
+    one eager call where there is no GPU (the smoke run: not a timing)."""
+    if device != "cuda":
+        import time
+
+        start = time.perf_counter()
+        launch(case, config)
+        return 1e6 * (time.perf_counter() - start)
+    launch(case, config)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            launch(case, config)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * begin.elapsed_time(end) / 20)
+    return statistics.median(times)
+
+
+def label(config: dict) -> str:
+    return "rpp{rows_per_program}/n{block_n}/w{num_warps}/s{num_stages}".format(
+        **{k: "d" if v is None else v for k, v in config.items()}
+    )
+
+
+def run(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        shape = {"heads": 4, "kv_heads": 2, "head": 16, "block": 16, "vocab": 64}
+        cases = [(2, 23, 20)]
+        grid = [DEFAULT, {"rows_per_program": 16, "block_n": 16, "num_warps": 8, "num_stages": 1}]
+    else:
+        shape = {"heads": 32, "kv_heads": 8, "head": 128, "block": 16, "vocab": 4096}
+        cases = list(itertools.product(args.requests, args.budgets, args.contexts))
+        grid = [DEFAULT] + [
+            dict(zip(DEFAULT, values, strict=True))
+            for values in itertools.product(
+                args.rows_per_program, args.block_n, args.num_warps, args.num_stages
+            )
+        ]
+    rows = []
+    for reqs, budget, context in tqdm(cases, desc="cases"):
+        case = make_case(reqs, budget, context, shape, device)
+        launch(case, DEFAULT)
+        want = case["output"].float().clone()
+        tree_rows = torch.ones(reqs, budget + 1, dtype=torch.bool)
+        tree_rows[:, :CHAIN_SLOTS] = False
+        tree_rows = tree_rows.flatten().to(device)
+        for config in grid:
+            case["output"].zero_()
+            us = time_us(case, config, device)
+            diff = (case["output"].float() - want)[tree_rows].abs().max().item()
+            rows.append(
+                {
+                    "requests": reqs, "budget": budget, "context": context,
+                    "config": label(config), **config, "us": round(us, 2),
+                    "max_abs_diff_vs_default": diff,
+                }
+            )  # fmt: skip
+    return {"device": device, "shape": shape, "rows": rows}
+
+
+def summary(result: dict) -> str:
+    """Per case: the default's time, the fastest shape's; then the one shape fastest over all
+    cases (geometric mean of its time over the default's), with its time per case."""
+    rows = result["rows"]
+    cases = sorted({(r["requests"], r["budget"], r["context"]) for r in rows})
+    default = label(DEFAULT)
+    by = {(r["requests"], r["budget"], r["context"], r["config"]): r for r in rows}
+    configs = sorted({r["config"] for r in rows})
+
+    def ratio(config: str) -> float:
+        logs = [
+            math.log(by[(*c, config)]["us"] / by[(*c, default)]["us"])
+            for c in cases
+            if (*c, config) in by
+        ]
+        return math.exp(sum(logs) / len(logs))
+
+    overall = min(configs, key=ratio)
+    lines = [
+        f"default: {default}; best over all cases: {overall} ({ratio(overall):.3f}x the "
+        "default's time, geometric mean)",
+        "",
+        "| R | B | C | default us | fastest us | fastest shape | best-overall us | max diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cases:
+        mine = [r for r in rows if (r["requests"], r["budget"], r["context"]) == c]
+        fastest = min(mine, key=lambda r: r["us"])
+        diff = max(r["max_abs_diff_vs_default"] for r in mine)
+        lines.append(
+            f"| {c[0]} | {c[1]} | {c[2]} | {by[(*c, default)]['us']:.2f} | {fastest['us']:.2f} "
+            f"| {fastest['config']} | {by[(*c, overall)]['us']:.2f} | {diff:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON rows; beside it a .md")
+    parser.add_argument("--requests", type=ints, default=[1, 8])
+    parser.add_argument("--budgets", type=ints, default=[63, 255])
+    parser.add_argument("--contexts", type=ints, default=[128, 1024, 4096])
+    parser.add_argument("--rows-per-program", type=ints, default=[16, 32, 64])
+    parser.add_argument("--block-n", type=ints, default=[32, 64])
+    parser.add_argument("--num-warps", type=ints, default=[4, 8])
+    parser.add_argument("--num-stages", type=ints, default=[1, 2, 3])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, two launch shapes")
+    args = parser.parse_args()
+    result = run(args)
+    result["command"] = " ".join(["python", *sys.argv])
+    result["machine"] = (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    table = summary(result)
+    args.out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    worst = max(r["max_abs_diff_vs_default"] for r in result["rows"])
+    if not worst < (2e-2 if result["device"] == "cuda" else 1e-4):
+        print(f"a launch shape's output differs from the default's by {worst}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
