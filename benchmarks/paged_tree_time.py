@@ -1,5 +1,6 @@
 """The paged tree attention kernel (the V2 verify graphs') timed per launch shape, at Qwen3-8B
-attention shapes: which rows per program, key block, warps and pipeline stages to use.
+attention shapes: which rows per program, key block, warps, pipeline stages and context
+splits (the cached context in shares, merged by log-sum-exp) to use.
 
 Each (requests R, budget B, cached context C) case is one verify step's attention of one layer:
 R trees of 1 + B slots (D = 15) over a paged bf16 cache in random block order, the forced chain's
@@ -31,7 +32,10 @@ from tqdm import tqdm
 import ddtree
 from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 
-DEFAULT = {"rows_per_program": 64, "block_n": 32, "num_warps": None, "num_stages": None}
+DEFAULT = {
+    "rows_per_program": 64, "block_n": 32, "num_warps": None, "num_stages": None,
+    "context_splits": 1,
+}  # fmt: skip
 CHAIN_SLOTS = 16  # the root and a forced chain of D = 15: the backend's rows
 
 
@@ -63,15 +67,24 @@ def make_case(reqs: int, budget: int, context: int, shape: dict, device: str) ->
     out["output"] = torch.zeros_like(out["query"])
     out["scale"] = head**-0.5
     out["max_query_len"] = slots
+    out["partials"] = {}  # context splits -> the shares' scratch
     return out
 
 
 def launch(case: dict, config: dict) -> None:
+    splits = config["context_splits"]
+    if splits > 1 and splits not in case["partials"]:  # scratch made once, before a capture
+        rows, heads, head = case["query"].shape
+        device = case["query"].device
+        case["partials"][splits] = (
+            torch.empty(rows, heads, splits, head, dtype=torch.float32, device=device),
+            torch.empty(rows, heads, splits, dtype=torch.float32, device=device),
+        )
     paged_tree_attention(
         case["query"], case["kv_cache"], case["output"], case["query_start_loc"],
         case["seq_lens"], case["block_table"], case["tree_rows"], case["depths"],
         case["ancestors"], case["scale"], case["max_query_len"], first_slot=CHAIN_SLOTS,
-        **config,
+        partials=case["partials"].get(splits), **config,
     )  # fmt: skip
 
 
@@ -103,7 +116,7 @@ def time_us(case: dict, config: dict, device: str) -> float:
 
 
 def label(config: dict) -> str:
-    return "rpp{rows_per_program}/n{block_n}/w{num_warps}/s{num_stages}".format(
+    return "rpp{rows_per_program}/n{block_n}/w{num_warps}/s{num_stages}/k{context_splits}".format(
         **{k: "d" if v is None else v for k, v in config.items()}
     )
 
@@ -113,15 +126,23 @@ def run(args) -> dict:
     if args.smoke:
         shape = {"heads": 4, "kv_heads": 2, "head": 16, "block": 16, "vocab": 64}
         cases = [(2, 23, 20)]
-        grid = [DEFAULT, {"rows_per_program": 16, "block_n": 16, "num_warps": 8, "num_stages": 1}]
+        grid = [
+            DEFAULT,
+            {**DEFAULT, "rows_per_program": 16, "block_n": 16, "num_warps": 8, "num_stages": 1},
+            {**DEFAULT, "context_splits": 2},
+        ]
     else:
         shape = {"heads": 32, "kv_heads": 8, "head": 128, "block": 16, "vocab": 4096}
         cases = list(itertools.product(args.requests, args.budgets, args.contexts))
         grid = [DEFAULT] + [
             dict(zip(DEFAULT, values, strict=True))
             for values in itertools.product(
-                args.rows_per_program, args.block_n, args.num_warps, args.num_stages
-            )
+                args.rows_per_program,
+                args.block_n,
+                args.num_warps,
+                args.num_stages,
+                args.context_splits,
+            )  # fmt: skip
         ]
     rows = []
     for reqs, budget, context in tqdm(cases, desc="cases"):
@@ -191,10 +212,11 @@ def main() -> int:
     parser.add_argument("--requests", type=ints, default=[1, 8])
     parser.add_argument("--budgets", type=ints, default=[63, 255])
     parser.add_argument("--contexts", type=ints, default=[128, 1024, 4096])
-    parser.add_argument("--rows-per-program", type=ints, default=[16, 32, 64])
+    parser.add_argument("--rows-per-program", type=ints, default=[16, 64])
     parser.add_argument("--block-n", type=ints, default=[32, 64])
     parser.add_argument("--num-warps", type=ints, default=[4, 8])
-    parser.add_argument("--num-stages", type=ints, default=[1, 2, 3])
+    parser.add_argument("--num-stages", type=ints, default=[1, 3])
+    parser.add_argument("--context-splits", type=ints, default=[1, 4, 8])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, two launch shapes")
     args = parser.parse_args()
     result = run(args)

@@ -22,10 +22,28 @@ def test_kernel_equals_the_reference():
     run_interpreted(__file__)
 
 
+def test_context_splits_are_refused_with_a_given_context():
+    from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+
+    t = torch.zeros(4, 2, 16)
+    cache = torch.zeros(2, 1, 16, 32)
+    ints = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="context_splits 2"):
+        paged_tree_attention(
+            t, cache, t, ints, ints[:1], ints[None], ints[:1], ints[None], ints[None, :, None],
+            0.25, 4, context_splits=2, context_out=t, context_lse=t[:, :, 0],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="context_splits 0"):
+        paged_tree_attention(
+            t, cache, t, ints, ints[:1], ints[None], ints[:1], ints[None], ints[None, :, None],
+            0.25, 4, context_splits=0,
+        )  # fmt: skip
+
+
 def test_timing_script_runs_its_smoke_case(tmp_path):
     """benchmarks/paged_tree_time.py (GPU time is scarce: a crash there costs a lease) on
-    tiny shapes under the interpreter: both launch shapes run (one with warps and stages
-    given) and write the same rows, JSON and table."""
+    tiny shapes under the interpreter: its three launch shapes (the default, one with warps and
+    stages given, one with the context in two shares) write the same rows, JSON and table."""
     pytest.importorskip("triton")
     import json
     import os
@@ -42,7 +60,9 @@ def test_timing_script_runs_its_smoke_case(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["config"] for r in rows] == ["rpp64/n32/wd/sd", "rpp16/n16/w8/s1"]
+    assert [r["config"] for r in rows] == [
+        "rpp64/n32/wd/sd/k1", "rpp16/n16/w8/s1/k1", "rpp64/n32/wd/sd/k2"
+    ]  # fmt: skip
     assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in rows)
     assert "| 2 | 23 | 20 |" in out.with_suffix(".md").read_text()
 
@@ -54,6 +74,8 @@ def check(
     block: int = 16,
     first_slot: int = 0,
     context_given: bool = False,
+    splits: int = 1,
+    block_n: int = 32,
 ) -> None:
     from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 
@@ -106,7 +128,9 @@ def check(
         head**-0.5,
         max(counts),
         rows_per_program=16,
+        block_n=block_n,
         first_slot=first_slot,
+        context_splits=splits,
         **given,
     )
 
@@ -138,3 +162,8 @@ if __name__ == "__main__":
     # the padded request's context is empty (lse -inf), the prefill's rows are not touched.
     check(heads=4, kv_heads=2, context_given=True)
     check(heads=6, kv_heads=2, first_slot=5, context_given=True)
+    # The context in shares merged by log-sum-exp: shares of whole key blocks (contexts 37 and
+    # 70: some shares partial, some empty, the last one also holding the tree's slots).
+    check(heads=4, kv_heads=2, splits=3)
+    check(heads=6, kv_heads=2, first_slot=5, splits=4, block_n=16)
+    check(heads=4, kv_heads=2, splits=8, block_n=16)

@@ -10,7 +10,9 @@ slots ``context + j``), so a tree slot ``i`` attends to the cached positions ``<
 ``context + j`` for each tree slot ``j`` that is ``i`` or one of its ancestors:
 ``depth[j] <= depth[i]`` and ``ancestors[i, depth[i] - depth[j]] == j``. Query heads that share
 a KV head are computed together (each K/V tile is loaded once for the group); softmax and the
-output accumulate in float32.
+output accumulate in float32. Optionally (``context_splits``) the context is cut into shares
+attended by programs of their own, then merged by log-sum-exp: a long context's key blocks
+are otherwise one program's serial loop (timed: ``benchmarks/paged_tree_time.py``).
 
 Reference: ``merge.attend_with_lse`` per slot over the context and the slot's ancestors
 (tests/test_paged_tree_kernel.py, Triton's interpreter).
@@ -29,16 +31,17 @@ from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step, _pa
 def _paged_tree_attention_kernel(
     query_ptr, cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, table_ptr, tree_rows_ptr, depths_ptr, ancestors_ptr,
-    ctx_out_ptr, ctx_lse_ptr,
+    ctx_out_ptr, ctx_lse_ptr, part_out_ptr, part_lse_ptr,
     scale, group, cache_block, max_depth, first_slot,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_ch, s_ct, s_tr, s_dr, s_ar, s_aq,
-    s_xt, s_xh, s_lt, s_lh,
+    s_xt, s_xh, s_lt, s_lh, s_pt, s_ph, s_ps, s_mt, s_mh,
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, CONTEXT_GIVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, CONTEXT_GIVEN: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS  # which share of the context (SPLITS > 1)
     state = tl.load(tree_rows_ptr + r)
     if state < 0:  # not a tree request (prefill, padding): the backend's output stands
         return
@@ -72,10 +75,16 @@ def _paged_tree_attention_kernel(
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
         context_end = context
 
-    # The cached context: every slot sees all of it.
-    for start in range(0, context_end, BLOCK_N):
+    # The cached context: every slot sees all of it. With SPLITS > 1 each program takes its
+    # share (whole key blocks), and the last one also the tree's slots.
+    context_start = 0
+    if SPLITS > 1:
+        share = tl.cdiv(tl.cdiv(context_end, SPLITS), BLOCK_N) * BLOCK_N
+        context_start = tl.minimum(split * share, context_end)
+        context_end = tl.minimum(context_start + share, context_end)
+    for start in range(context_start, context_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < context
+        valid = pos < context_end
         k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
                          s_cb, s_ch, s_ct, dims, HEAD_DIM)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
@@ -83,7 +92,8 @@ def _paged_tree_attention_kernel(
         top, total, acc = _online_softmax_step(scores, v, top, total, acc)
 
     # The tree's slots, in the cache right after the context: ancestors and itself only.
-    for start in range(0, count, BLOCK_N):
+    tree_end = tl.where(split == SPLITS - 1, count, 0)
+    for start in range(0, tree_end, BLOCK_N):
         k_slot = start + tl.arange(0, BLOCK_N)
         valid = k_slot < count
         pos = context + k_slot
@@ -99,6 +109,52 @@ def _paged_tree_attention_kernel(
         scores = tl.where(seen, scores, float("-inf"))
         top, total, acc = _online_softmax_step(scores, v, top, total, acc)
 
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])  # fmt: skip
+    else:  # this share's normalised output and log-sum-exp (-inf: it saw no key)
+        lse = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.maximum(total, 1e-30)))
+        part = part_out_ptr + q_row[:, None] * s_pt + head[:, None] * s_ph + split * s_ps
+        tl.store(part + dims[None, :], out, mask=q_valid[:, None])
+        tl.store(part_lse_ptr + q_row * s_mt + head * s_mh + split, lse, mask=q_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, tree_rows_ptr, group, first_slot,
+    s_ot, s_oh, s_pt, s_ph, s_ps, s_mt, s_mh,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    """The SPLITS shares of each tree row (the main kernel's rows and grid) into its output."""
+    r = tl.program_id(0)
+    kv_head = tl.program_id(2)
+    if tl.load(tree_rows_ptr + r) < 0:
+        return
+    q_start = tl.load(qsl_ptr + r)
+    count = tl.load(qsl_ptr + r + 1) - q_start
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    slot = first_slot + tl.program_id(1) * BLOCK_Q + m // GROUP_PAD
+    head_in_group = m % GROUP_PAD
+    head = kv_head * group + head_in_group
+    q_valid = (slot < count) & (head_in_group < group)
+    q_row = (q_start + slot).to(tl.int64)
+    lse_rows = part_lse_ptr + q_row * s_mt + head * s_mh
+    top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_rows + s, mask=q_valid, other=float("-inf")))
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+    part_rows = part_out_ptr + q_row[:, None] * s_pt + head[:, None] * s_ph + dims[None, :]
+    for s in tl.static_range(SPLITS):
+        weight = tl.exp(tl.load(lse_rows + s, mask=q_valid, other=float("-inf")) - safe)
+        share = tl.load(part_rows + s * s_ps, mask=q_valid[:, None] & (weight > 0)[:, None],
+                        other=0.0)  # fmt: skip
+        total += weight
+        acc += weight[:, None] * share
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])  # fmt: skip
@@ -123,6 +179,8 @@ def paged_tree_attention(
     context_lse: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    context_splits: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write the tree requests' rows of ``output [T, H, hd]`` from slot ``first_slot`` on (other
     rows are left alone: e.g. a forced chain's, which the backend's causal pass computes).
@@ -142,6 +200,11 @@ def paged_tree_attention(
 
     ``rows_per_program``, ``block_n``, ``num_warps``, ``num_stages``: the launch shape (Triton's
     defaults for the last two when None); ``benchmarks/paged_tree_time.py`` times the choices.
+    ``context_splits`` > 1: the cached context is cut into that many shares, each attended by
+    its own programs (more of them in flight for long contexts, as split-KV decode kernels
+    do), and a second launch merges the shares by their log-sum-exp. Their float32 scratch,
+    ``partials`` = (``[T, H, splits, hd]``, ``[T, H, splits]``), is made here when not given
+    (a CUDA graph needs it given: made once, outside the capture). Not with a given context.
     """
     num_reqs = tree_rows.shape[0]
     num_heads, head_size = query.shape[1:]
@@ -163,17 +226,38 @@ def paged_tree_attention(
         raise ValueError("paged_tree_attention: context_out must have a contiguous last dim")
     ctx_out = context_out if given else output  # not read without CONTEXT_GIVEN
     ctx_lse = context_lse if given else output[:, :, 0]
-    grid = (num_reqs, triton.cdiv(max_query_len - first_slot, block_q), num_kv_heads)
+    splits = context_splits
+    if splits < 1 or (splits > 1 and given):
+        raise ValueError(
+            f"paged_tree_attention: context_splits {splits} (>= 1, and 1 with a given context)"
+        )
+    if splits > 1 and partials is None:
+        rows, heads = query.shape[:2]
+        partials = (
+            torch.empty(rows, heads, splits, head_size, dtype=torch.float32, device=query.device),
+            torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device),
+        )
+    part_out, part_lse = partials if splits > 1 else (output, output[:, :, 0])  # unread if 1
+    grid = (num_reqs, triton.cdiv(max_query_len - first_slot, block_q), num_kv_heads * splits)
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     _paged_tree_attention_kernel[grid](
         query, kv_cache, output,
         query_start_loc, seq_lens, block_table, tree_rows, depths, ancestors,
-        ctx_out, ctx_lse,
+        ctx_out, ctx_lse, part_out, part_lse,
         scale, group, kv_cache.shape[2], ancestors.shape[2] - 1, first_slot,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
         depths.stride(0), ancestors.stride(0), ancestors.stride(1),
         ctx_out.stride(0), ctx_out.stride(1), ctx_lse.stride(0), ctx_lse.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if splits > 1 else 0,
+        part_lse.stride(0), part_lse.stride(1),
         HEAD_DIM=head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_N=block_n,
-        CONTEXT_GIVEN=given, **launch,
+        CONTEXT_GIVEN=given, SPLITS=splits, **launch,
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(num_reqs, grid[1], num_kv_heads)](
+            output, part_out, part_lse, query_start_loc, tree_rows, group, first_slot,
+            output.stride(0), output.stride(1), part_out.stride(0), part_out.stride(1),
+            part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            HEAD_DIM=head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, SPLITS=splits,
+        )  # fmt: skip
