@@ -11,7 +11,7 @@
 #                                    # (DDTree at NUM_BUDGETS, default 15,63,255),
 #                                    # no-spec vs chain vs DDTree vs float32 (~9 min: detach)
 #   bash benchmarks/h200.sh smoke    # a few equality engines, no GPU tests (~4 min)
-#   bash benchmarks/h200.sh quick    # every GPU test beside 11 equality cases (incl. flash; ~8 min)
+#   bash benchmarks/h200.sh quick    # every GPU test beside 12 equality cases (incl. flash; ~8 min)
 #   bash benchmarks/h200.sh bench    # ddtree bench: bundled pair, then Qwen3-8B shapes (~20 min:
 #                                    # 3 repeats per point since a171101; detach it)
 #   bash benchmarks/h200.sh profile  # kernels per step, DDTree and the chain (~4 min;
@@ -103,7 +103,7 @@ check)
 quick)  # what fits a short lease: every GPU test beside the smoke cases and the flash context's
   # equality cases (not the whole suite: `check` is still due before resolving CUDA changes)
   gpu_tests 600 > "$OUT/gpu_tests_tail.txt" &
-  equality 560 pair_nospec,pair_dflash,pair_ddtree_15,pair_ddtree_64,pair_ddtree_255,pair_ddtreeflash_64,pair_ddtreeflash_255,pair_ddtreedefault_255,pair_ddtreesync_64,pairpen_nospec,pairpen_ddtree_64
+  equality 560 pair_nospec,pair_dflash,pair_ddtree_15,pair_ddtree_64,pair_ddtree_255,pair_ddtreeflash_64,pair_ddtreeflash_255,pair_ddtreesplit_255,pair_ddtreedefault_255,pair_ddtreesync_64,pairpen_nospec,pairpen_ddtree_64
   wait
   cat "$OUT/gpu_tests_tail.txt"
   ;;

@@ -32,6 +32,7 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
     "pair_ddtreetriton_64",
     "pair_ddtreeflash_64",
     "pair_ddtreeflash_255",
+    "pair_ddtreesplit_255",
     "pair_ddtreetorch_64",
     "pair_ddtreesched_255",
     "pair_ddtreeauto_255",
@@ -69,6 +70,7 @@ CASES = [f"pair_{m}" for m in ("nospec", "dflash", *(f"ddtree_{b}" for b in BUDG
 # ddtree: DDTree on vLLM's defaults (V2 runner, the paged tree kernel in the verify graphs);
 # ddtreetriton: with attention_backend TRITON_ATTN (the backend of GPUs without FA3);
 # ddtreeflash: DDTREE_TREE_ATTENTION=flash (the context part by vLLM's FlashAttention);
+# ddtreesplit: DDTREE_CONTEXT_SPLITS=4 (the tree kernel's context in 4 shares, merged);
 # ddtreesync: DDTREE_SYNC_DEBUG=warn (torch's CUDA sync debug mode around DDTree's per-step
 # code, eager and V2 alike; the log lists every sync it made; B=15: the chain-sized steps that
 # go to vLLM's rejection sampler, B=64: the walk); ddtreev1: the V1 runner fallback;
@@ -237,6 +239,8 @@ def run_case(name: str, out: Path, dtype: str) -> None:
             os.environ["DDTREE_TREE_KERNELS"] = "torch"
         if method.startswith("ddtreeflash_"):
             os.environ["DDTREE_TREE_ATTENTION"] = "flash"
+        if method.startswith("ddtreesplit_"):
+            os.environ["DDTREE_CONTEXT_SPLITS"] = "4"
         budget = int(method.split("_")[-1])
         max_model_len = max(max_model_len, 4 * budget)  # V2 needs >= 2B + 3 (warm-up)
         spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}

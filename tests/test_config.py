@@ -101,6 +101,8 @@ def test_triton_tree_attention_is_refused_on_the_cpu():
         check_platform(Settings(tree_attention="flash"))
     with pytest.raises(NotImplementedError, match="DDTREE_TREE_KERNELS=fused runs on CUDA"):
         check_platform(Settings(tree_kernels="fused"))
+    with pytest.raises(NotImplementedError, match="DDTREE_CONTEXT_SPLITS splits the CUDA"):
+        check_platform(Settings(context_splits=4))
     check_platform(Settings(tree_attention="auto"))
 
 
@@ -111,6 +113,11 @@ def test_triton_tree_attention_is_refused_on_the_cpu():
         ({"DDTREE_SYNC_DEBUG": "loud"}, "DDTREE_SYNC_DEBUG must be warn or error"),
         ({"DDTREE_PROFILE": "often"}, "DDTREE_PROFILE must be a number"),
         ({"DDTREE_TREE_KERNELS": "cuda"}, "DDTREE_TREE_KERNELS must be one of"),
+        ({"DDTREE_CONTEXT_SPLITS": "many"}, "DDTREE_CONTEXT_SPLITS must be a number"),
+        (
+            {"DDTREE_CONTEXT_SPLITS": "4", "DDTREE_TREE_ATTENTION": "flash"},
+            "with DDTREE_TREE_ATTENTION=flash FlashAttention computes it",
+        ),
     ],
 )
 def test_bad_environment_is_refused(monkeypatch, env, message):
@@ -133,6 +140,8 @@ def test_environment_settings(monkeypatch):
     }.items():
         monkeypatch.setenv(name, value)
     assert Settings.from_env() == Settings("merge", False, "warn", 20, False)
+    monkeypatch.setenv("DDTREE_CONTEXT_SPLITS", "4")
+    assert Settings.from_env().context_splits == 4
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,12 @@ class Settings:
       (host clock at ``execute_model``) and kind (every request verifying drafts, some, none),
       N steps per ``ddtree-steps {...}`` line (``debug.StepPeriods``; ``ddtree bench
       --step-log`` reads them): no sync, so under async scheduling a step's period is the step
-      time the engine runs at.
+      time the engine runs at;
+    - ``DDTREE_CONTEXT_SPLITS=N`` (V2 runner, tree kernel): the paged tree kernel attends the
+      cached context in N shares merged by log-sum-exp (split-KV: long contexts are otherwise
+      one program's serial loop), in steps of up to the largest CUDA graph's tokens; float32
+      scratch of N x that many tokens x heads x head size. Off (1) by default: timed by
+      ``benchmarks/paged_tree_time.py`` before it is anything else.
     """
 
     tree_attention: str = "auto"
@@ -59,6 +64,7 @@ class Settings:
     acceptance_every: int = 0
     tune_every: int = 64
     step_log_every: int = 0
+    context_splits: int = 1
 
     @property
     def fused_tree_kernels(self) -> bool:
@@ -77,6 +83,12 @@ class Settings:
         if sync_debug not in (None, "warn", "error"):
             raise ValueError(f"DDTREE_SYNC_DEBUG must be warn or error, got {sync_debug!r}")
         profile, acceptance = _steps("DDTREE_PROFILE"), _steps("DDTREE_ACCEPTANCE")
+        splits = _steps("DDTREE_CONTEXT_SPLITS") or 1
+        if splits > 1 and tree_attention == "flash":
+            raise ValueError(
+                "DDTREE_CONTEXT_SPLITS splits the tree kernel's context part; with "
+                "DDTREE_TREE_ATTENTION=flash FlashAttention computes it: set one of them"
+            )
         tree_kernels = os.environ.get("DDTREE_TREE_KERNELS", "auto")
         if tree_kernels not in TREE_KERNELS_CHOICES:
             raise ValueError(
@@ -92,6 +104,7 @@ class Settings:
             acceptance_every=acceptance,
             tune_every=_steps("DDTREE_TUNE_EVERY") or 64,
             step_log_every=_steps("DDTREE_STEP_LOG"),
+            context_splits=splits,
         )
 
 
@@ -427,6 +440,10 @@ def check_platform(settings: Settings) -> None:
         if settings.tree_kernels == "fused":
             raise NotImplementedError(
                 "DDTREE_TREE_KERNELS=fused runs on CUDA's V2 model runner; on the CPU use torch"
+            )
+        if settings.context_splits > 1:
+            raise NotImplementedError(
+                "DDTREE_CONTEXT_SPLITS splits the CUDA tree kernel's context; unset it on the CPU"
             )
     elif not current_platform.is_cuda():
         # The tree mask is wired into vLLM's CPU and FlashAttention paths only; elsewhere the

@@ -327,6 +327,8 @@ def _check_v1_settings(vllm_config) -> None:
         raise ValueError("DDTREE_TREE_KERNELS=fused runs on the V2 model runner only")
     if config.SETTINGS.tree_attention == "flash":
         raise ValueError("DDTREE_TREE_ATTENTION=flash runs on the V2 model runner only")
+    if config.SETTINGS.context_splits > 1:
+        raise ValueError("DDTREE_CONTEXT_SPLITS runs on the V2 model runner only")
     mode = vllm_config.compilation_config.cudagraph_mode
     if vllm_config.scheduler_config.async_scheduling or mode not in (
         CUDAGraphMode.NONE,

@@ -139,6 +139,9 @@ class TreeEngine:
     # part's output [max_tokens, H, hd] (one FlashAttention call per layer writes them)
     flash_context: torch.Tensor | None = None
     flash_out: torch.Tensor | None = None
+    # DDTREE_CONTEXT_SPLITS=N: the context shares' scratch, [tokens, H, N, hd] and
+    # [tokens, H, N] float32 for steps of up to the largest CUDA graph's tokens
+    context_partials: tuple[torch.Tensor, torch.Tensor] | None = None
     _fused_layers: dict | None = None
 
     def __post_init__(self) -> None:
@@ -189,6 +192,15 @@ class TreeEngine:
         self.slot_mappings = runner.block_tables.slot_mappings
         if self.settings.tree_attention == "flash":
             self._bind_flash_context(runner)
+        if self.settings.context_splits > 1 and self.layers:
+            impl, splits = self.layers[0][2], self.settings.context_splits
+            # steps up to the largest CUDA graph (eager engines: every step)
+            tokens = runner.compilation_config.max_cudagraph_capture_size or runner.max_num_tokens
+            heads, size = impl.num_heads, impl.head_size
+            self.context_partials = (
+                torch.empty(tokens, heads, splits, size, dtype=torch.float32, device=runner.device),
+                torch.empty(tokens, heads, splits, dtype=torch.float32, device=runner.device),
+            )
         if self.gdn is not None:
             self.gdn.bind(runner)
 
@@ -247,6 +259,10 @@ class TreeEngine:
             context = attention.flash.context_attention(
                 impl, query, kv_cache, attn_metadata, self.flash_context, self.flash_out
             )
+        partials = self.context_partials
+        if partials is not None and query.shape[0] <= partials[0].shape[0]:
+            # steps past the largest graph (eager, mixed) take the unsplit kernel
+            context = dict(context_splits=partials[0].shape[2], partials=partials)
         paged_tree_attention(
             query,
             kv_cache,
