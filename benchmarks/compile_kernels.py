@@ -244,13 +244,28 @@ def v2_glue_kernels(arch: int) -> None:
     int32 = ("qsl_ptr", "seq_lens_ptr", "table_ptr", "tree_rows_ptr", "depths_ptr",
              "ancestors_ptr")  # fmt: skip
     scalars = ("group", "cache_block", "max_depth", "first_slot", "s_qt", "s_qh", "s_ot",
-               "s_oh", "s_cb", "s_ch", "s_ct", "s_tr", "s_dr", "s_ar", "s_aq")  # fmt: skip
+               "s_oh", "s_cb", "s_ch", "s_ct", "s_tr", "s_dr", "s_ar", "s_aq", "s_xt", "s_xh",
+               "s_lt", "s_lh", "s_pt", "s_ph", "s_ps", "s_mt", "s_mh")  # fmt: skip
+    for splits, given in ((1, False), (4, False), (1, True)):
+        compile_one(
+            f"attention._paged_tree_attention_kernel hd=128 group=4 bf16 splits={splits} "
+            f"context_given={given}",
+            paged_tree_kernel._paged_tree_attention_kernel,
+            {"query_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
+             **dict.fromkeys(int32, "*i32"), "ctx_out_ptr": "*bf16", "ctx_lse_ptr": "*fp32",
+             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale": "fp32",
+             **dict.fromkeys(scalars, "i32")},
+            {"HEAD_DIM": 128, "BLOCK_Q": 16, "GROUP_PAD": 4, "BLOCK_N": 32,
+             "CONTEXT_GIVEN": given, "SPLITS": splits}, 4, arch,
+        )  # fmt: skip
     compile_one(
-        "attention._paged_tree_attention_kernel hd=128 group=4 bf16",
-        paged_tree_kernel._paged_tree_attention_kernel,
-        {"query_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
-         **dict.fromkeys(int32, "*i32"), "scale": "fp32", **dict.fromkeys(scalars, "i32")},
-        {"HEAD_DIM": 128, "BLOCK_Q": 16, "GROUP_PAD": 4, "BLOCK_N": 32}, 4, arch,
+        "attention._merge_splits_kernel hd=128 group=4 splits=4",
+        paged_tree_kernel._merge_splits_kernel,
+        {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32",
+         "tree_rows_ptr": "*i32",
+         **dict.fromkeys(("group", "first_slot", "s_ot", "s_oh", "s_pt", "s_ph", "s_ps", "s_mt",
+                          "s_mh"), "i32")},
+        {"HEAD_DIM": 128, "BLOCK_Q": 4, "GROUP_PAD": 4, "SPLITS": 4}, 4, arch,
     )  # fmt: skip
 
     tree = {"tokens_ptr": "*i64", "tokens_stride": "i32", "ancestors_ptr": "*i32",

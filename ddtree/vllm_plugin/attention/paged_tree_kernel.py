@@ -255,9 +255,11 @@ def paged_tree_attention(
         CONTEXT_GIVEN=given, SPLITS=splits, **launch,
     )  # fmt: skip
     if splits > 1:
-        _merge_splits_kernel[(num_reqs, grid[1], num_kv_heads)](
+        merge_q = max(1, 16 // group_pad)  # 16 rows a program: larger tiles spill on sm_90
+        merge_grid = (num_reqs, triton.cdiv(max_query_len - first_slot, merge_q), num_kv_heads)
+        _merge_splits_kernel[merge_grid](
             output, part_out, part_lse, query_start_loc, tree_rows, group, first_slot,
             output.stride(0), output.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, SPLITS=splits,
+            HEAD_DIM=head_size, BLOCK_Q=merge_q, GROUP_PAD=group_pad, SPLITS=splits,
         )  # fmt: skip
