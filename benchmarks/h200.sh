@@ -164,7 +164,8 @@ profile)  # torch.profiler over in-process engines (kernels per step): DDTree be
   done
   ;;
 attntime)  # the paged tree attention kernel per launch shape (rows per program, key block,
-  # warps, stages) at Qwen3-8B shapes, from CUDA graphs (~3 min; ATTN_FLAGS: fewer shapes)
+  # warps, stages, context splits) at Qwen3-8B shapes, from CUDA graphs (~3 min; ATTN_FLAGS:
+  # other grids, e.g. "--num-stages 1,2,3 --context-splits 1")
   timeout 480 python3 benchmarks/paged_tree_time.py --out "$OUT/paged_tree_time.json" \
     ${ATTN_FLAGS:-} > "$OUT/paged_tree_time.txt" 2>&1
   tail -18 "$OUT/paged_tree_time.txt"

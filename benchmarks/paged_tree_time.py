@@ -215,7 +215,7 @@ def main() -> int:
     parser.add_argument("--rows-per-program", type=ints, default=[16, 64])
     parser.add_argument("--block-n", type=ints, default=[32, 64])
     parser.add_argument("--num-warps", type=ints, default=[4, 8])
-    parser.add_argument("--num-stages", type=ints, default=[1, 3])
+    parser.add_argument("--num-stages", type=ints, default=[3])
     parser.add_argument("--context-splits", type=ints, default=[1, 4, 8])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, two launch shapes")
     args = parser.parse_args()
