@@ -10,7 +10,7 @@ slots ``context + j``), so a tree slot ``i`` attends to the cached positions ``<
 ``context + j`` for each tree slot ``j`` that is ``i`` or one of its ancestors:
 ``depth[j] <= depth[i]`` and ``ancestors[i, depth[i] - depth[j]] == j``. Query heads that share
 a KV head are computed together (each K/V tile is loaded once for the group); softmax and the
-output accumulate in float32. Optionally (``context_splits``) the context is cut into shares
+output accumulate in float32. Optionally (``context_splits``) the keys are cut into shares
 attended by programs of their own, then merged by log-sum-exp: a long context's key blocks
 are otherwise one program's serial loop (timed: ``benchmarks/paged_tree_time.py``).
 
@@ -41,7 +41,7 @@ def _paged_tree_attention_kernel(
     r = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS  # which share of the context (SPLITS > 1)
+    split = tl.program_id(2) % SPLITS  # which share of the keys (SPLITS > 1)
     state = tl.load(tree_rows_ptr + r)
     if state < 0:  # not a tree request (prefill, padding): the backend's output stands
         return
@@ -68,34 +68,35 @@ def _paged_tree_attention_kernel(
         ctx_rows = ctx_out_ptr + q_row[:, None] * s_xt + head[:, None] * s_xh
         acc = tl.load(ctx_rows + dims[None, :], mask=q_valid[:, None] & seen_any[:, None],
                       other=0.0).to(tl.float32)  # fmt: skip
-        context_end = 0
+        context_end = context * 0  # no context keys here (a tensor, as in the other branch)
     else:
         top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
         context_end = context
 
-    # The cached context: every slot sees all of it. With SPLITS > 1 each program takes its
-    # share (whole key blocks), and the last one also the tree's slots.
-    context_start = 0
+    # Keys: the cached context (every slot sees all of it), then the tree's slots (ancestors
+    # and itself only). With SPLITS > 1 each program takes its share of that key sequence.
+    lo, hi = 0, context_end + count
     if SPLITS > 1:
-        share = tl.cdiv(tl.cdiv(context_end, SPLITS), BLOCK_N) * BLOCK_N
-        context_start = tl.minimum(split * share, context_end)
-        context_end = tl.minimum(context_start + share, context_end)
-    for start in range(context_start, context_end, BLOCK_N):
+        share = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * share, hi)
+        hi = tl.minimum(lo + share, hi)
+    ctx_hi = tl.minimum(hi, context_end)
+    for start in range(tl.minimum(lo, context_end), ctx_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < context_end
+        valid = pos < ctx_hi
         k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
                          s_cb, s_ch, s_ct, dims, HEAD_DIM)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         top, total, acc = _online_softmax_step(scores, v, top, total, acc)
 
-    # The tree's slots, in the cache right after the context: ancestors and itself only.
-    tree_end = tl.where(split == SPLITS - 1, count, 0)
-    for start in range(0, tree_end, BLOCK_N):
+    # The tree's slots, in the cache right after the context.
+    tree_hi = tl.maximum(hi - context_end, 0)
+    for start in range(tl.maximum(lo - context_end, 0), tree_hi, BLOCK_N):
         k_slot = start + tl.arange(0, BLOCK_N)
-        valid = k_slot < count
+        valid = k_slot < tree_hi
         pos = context + k_slot
         k, v = _paged_kv(cache_ptr, table_ptr + r * s_tr, pos, valid, cache_block, kv_head,
                          s_cb, s_ch, s_ct, dims, HEAD_DIM)  # fmt: skip
@@ -200,9 +201,10 @@ def paged_tree_attention(
 
     ``rows_per_program``, ``block_n``, ``num_warps``, ``num_stages``: the launch shape (Triton's
     defaults for the last two when None); ``benchmarks/paged_tree_time.py`` times the choices.
-    ``context_splits`` > 1: the cached context is cut into that many shares, each attended by
-    its own programs (more of them in flight for long contexts, as split-KV decode kernels
-    do), and a second launch merges the shares by their log-sum-exp. Their float32 scratch,
+    ``context_splits`` > 1: the keys (cached context, then the tree's slots) are cut into that
+    many shares, each attended by its own programs (more of them in flight for long contexts
+    and wide trees, as split-KV decode kernels do), and a second launch merges the shares by
+    their log-sum-exp. Their float32 scratch,
     ``partials`` = (``[T, H, splits, hd]``, ``[T, H, splits]``), is made here when not given
     (a CUDA graph needs it given: made once, outside the capture). Not with a given context.
     """
