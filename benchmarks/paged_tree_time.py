@@ -18,6 +18,7 @@ default's time, the fastest shape's, and the one shape that is fastest over all 
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import math
@@ -30,12 +31,13 @@ import torch
 from tqdm import tqdm
 
 import ddtree
-from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention, split_scratch
 
+# the engine's launch shape: paged_tree_attention's own defaults
 DEFAULT = {
-    "rows_per_program": 64, "block_n": 32, "num_warps": None, "num_stages": None,
-    "context_splits": 1,
-}  # fmt: skip
+    name: inspect.signature(paged_tree_attention).parameters[name].default
+    for name in ("rows_per_program", "block_n", "num_warps", "num_stages", "context_splits")
+}
 CHAIN_SLOTS = 16  # the root and a forced chain of D = 15: the backend's rows
 
 
@@ -75,11 +77,7 @@ def launch(case: dict, config: dict) -> None:
     splits = config["context_splits"]
     if splits > 1 and splits not in case["partials"]:  # scratch made once, before a capture
         rows, heads, head = case["query"].shape
-        device = case["query"].device
-        case["partials"][splits] = (
-            torch.empty(rows, heads, splits, head, dtype=torch.float32, device=device),
-            torch.empty(rows, heads, splits, dtype=torch.float32, device=device),
-        )
+        case["partials"][splits] = split_scratch(rows, heads, splits, head, case["query"].device)
     paged_tree_attention(
         case["query"], case["kv_cache"], case["output"], case["query_start_loc"],
         case["seq_lens"], case["block_table"], case["tree_rows"], case["depths"],

@@ -28,6 +28,22 @@ from ddtree.vllm_plugin.attention.triton_kernel import _online_softmax_step, _pa
 
 
 @triton.jit
+def _tree_slot_rows(qsl_ptr, r, q_block, kv_head, group, first_slot,
+                    BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr):  # fmt: skip
+    """The rows one program serves: request ``r``'s slots ``first_slot + q_block * BLOCK_Q``
+    on, each with the query heads of KV head ``kv_head`` (padded to GROUP_PAD). Returns the
+    request's slot count, and per row its slot, head, validity and token row."""
+    q_start = tl.load(qsl_ptr + r)
+    count = tl.load(qsl_ptr + r + 1) - q_start
+    m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # row = (slot, head of the group)
+    slot = first_slot + q_block * BLOCK_Q + m // GROUP_PAD
+    head_in_group = m % GROUP_PAD
+    head = kv_head * group + head_in_group
+    q_valid = (slot < count) & (head_in_group < group)
+    return count, slot, head, q_valid, (q_start + slot).to(tl.int64)
+
+
+@triton.jit
 def _paged_tree_attention_kernel(
     query_ptr, cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, table_ptr, tree_rows_ptr, depths_ptr, ancestors_ptr,
@@ -45,16 +61,11 @@ def _paged_tree_attention_kernel(
     state = tl.load(tree_rows_ptr + r)
     if state < 0:  # not a tree request (prefill, padding): the backend's output stands
         return
-    q_start = tl.load(qsl_ptr + r)
-    count = tl.load(qsl_ptr + r + 1) - q_start
+    count, slot, head, q_valid, q_row = _tree_slot_rows(
+        qsl_ptr, r, q_block, kv_head, group, first_slot, BLOCK_Q, GROUP_PAD
+    )
     context = tl.load(seq_lens_ptr + r) - count
     dims = tl.arange(0, HEAD_DIM)
-    m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # row = (slot, head of the group)
-    slot = first_slot + q_block * BLOCK_Q + m // GROUP_PAD
-    head_in_group = m % GROUP_PAD
-    head = kv_head * group + head_in_group
-    q_valid = (slot < count) & (head_in_group < group)
-    q_row = (q_start + slot).to(tl.int64)
     q = tl.load(query_ptr + q_row[:, None] * s_qt + head[:, None] * s_qh + dims[None, :],
                 mask=q_valid[:, None], other=0.0)  # fmt: skip
     q_depth = tl.load(depths_ptr + state * s_dr + slot, mask=q_valid, other=0)
@@ -128,20 +139,15 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """The SPLITS shares of each tree row (the main kernel's rows and grid) into its output."""
+    """The SPLITS shares of each tree row into its output (rows as the main kernel lays them
+    out, BLOCK_Q slots a program)."""
     r = tl.program_id(0)
-    kv_head = tl.program_id(2)
     if tl.load(tree_rows_ptr + r) < 0:
         return
-    q_start = tl.load(qsl_ptr + r)
-    count = tl.load(qsl_ptr + r + 1) - q_start
+    _, _, head, q_valid, q_row = _tree_slot_rows(
+        qsl_ptr, r, tl.program_id(1), tl.program_id(2), group, first_slot, BLOCK_Q, GROUP_PAD
+    )
     dims = tl.arange(0, HEAD_DIM)
-    m = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    slot = first_slot + tl.program_id(1) * BLOCK_Q + m // GROUP_PAD
-    head_in_group = m % GROUP_PAD
-    head = kv_head * group + head_in_group
-    q_valid = (slot < count) & (head_in_group < group)
-    q_row = (q_start + slot).to(tl.int64)
     lse_rows = part_lse_ptr + q_row * s_mt + head * s_mh
     top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
@@ -159,6 +165,17 @@ def _merge_splits_kernel(
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + q_row[:, None] * s_ot + head[:, None] * s_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])  # fmt: skip
+
+
+def split_scratch(
+    rows: int, heads: int, splits: int, head_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``context_splits``' float32 scratch for ``rows`` query rows: each share's output
+    ``[rows, heads, splits, head_size]`` and log-sum-exp ``[rows, heads, splits]``."""
+    return (
+        torch.empty(rows, heads, splits, head_size, dtype=torch.float32, device=device),
+        torch.empty(rows, heads, splits, dtype=torch.float32, device=device),
+    )
 
 
 def paged_tree_attention(
@@ -234,11 +251,7 @@ def paged_tree_attention(
             f"paged_tree_attention: context_splits {splits} (>= 1, and 1 with a given context)"
         )
     if splits > 1 and partials is None:
-        rows, heads = query.shape[:2]
-        partials = (
-            torch.empty(rows, heads, splits, head_size, dtype=torch.float32, device=query.device),
-            torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device),
-        )
+        partials = split_scratch(query.shape[0], num_heads, splits, head_size, query.device)
     part_out, part_lse = partials if splits > 1 else (output, output[:, :, 0])  # unread if 1
     grid = (num_reqs, triton.cdiv(max_query_len - first_slot, block_q), num_kv_heads * splits)
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}

@@ -15,7 +15,7 @@ import torch
 
 from ddtree.tree import DraftTree
 from ddtree.vllm_plugin import attention, graphs
-from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention, split_scratch
 from ddtree.vllm_plugin.config import DDTreeOptions, Settings
 from ddtree.vllm_plugin.debug import AcceptanceLog, StepProfile, sync_checked
 from ddtree.vllm_plugin.state import LayerBinding
@@ -193,14 +193,13 @@ class TreeEngine:
         if self.settings.tree_attention == "flash":
             self._bind_flash_context(runner)
         if self.settings.context_splits > 1 and self.layers:
-            impl, splits = self.layers[0][2], self.settings.context_splits
+            impl = self.layers[0][2]
             # steps up to the largest CUDA graph (eager engines: every step)
             tokens = runner.compilation_config.max_cudagraph_capture_size or runner.max_num_tokens
-            heads, size = impl.num_heads, impl.head_size
-            self.context_partials = (
-                torch.empty(tokens, heads, splits, size, dtype=torch.float32, device=runner.device),
-                torch.empty(tokens, heads, splits, dtype=torch.float32, device=runner.device),
-            )
+            self.context_partials = split_scratch(
+                tokens, impl.num_heads, self.settings.context_splits, impl.head_size,
+                runner.device,
+            )  # fmt: skip
         if self.gdn is not None:
             self.gdn.bind(runner)
 
