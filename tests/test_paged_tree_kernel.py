@@ -3,7 +3,9 @@ Triton's CPU interpreter: tree requests with full and clipped trees, a prefill r
 padded request that it must leave alone, grouped-query heads (also a group that is not a power
 of two), the cache in FlashAttention's logical view over NHD memory; rows before
 ``first_slot`` (a forced chain, computed by the backend) left alone; the context part given
-(FlashAttention's output and log-sum-exp) instead of read by the kernel."""
+(FlashAttention's output and log-sum-exp) instead of read by the kernel; programs past a
+request's slots (the grid covers the step's longest query, a prefill's in a mixed step) read
+nothing."""
 
 import pytest
 import torch
@@ -152,6 +154,51 @@ def check(
         assert group >= 1
 
 
+def check_programs_past_the_slots_read_nothing(splits: int) -> None:
+    """A mixed step's grid covers its longest query (a prefill's): the programs of a tree
+    request past its slots must not walk the context (their rows are none). Counted: the
+    kernel's paged K/V reads for one tree request, launched for its own 24 slots and for 240."""
+    from ddtree.vllm_plugin.attention import paged_tree_kernel as ptk
+
+    kernel_globals = ptk._paged_tree_attention_kernel.fn.__globals__
+    original = kernel_globals["_paged_kv"]
+    reads = []
+
+    class Counted:  # the interpreter calls the helper through the kernel's globals
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def __call__(self, *args, **kwargs):
+            reads.append(1)
+            return original(*args, **kwargs)
+
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head, block = 4, 2, 16, 16
+    trees = ddtree.build_tree(torch.randn(1, 4, 12, generator=gen) * 2, 23)
+    qsl = torch.tensor([0, 24], dtype=torch.int32)
+    seq_lens = torch.tensor([24 + 70], dtype=torch.int32)
+    tables = torch.arange(8, dtype=torch.int32).view(1, 8)
+    kv_cache = torch.randn(8, block, kv_heads, 2 * head, generator=gen).permute(0, 2, 1, 3)
+    query = torch.randn(24, heads, head, generator=gen)
+    outputs, counts = [], []
+    kernel_globals["_paged_kv"] = Counted()
+    try:
+        for max_query_len in (24, 240):
+            reads.clear()
+            outputs.append(torch.zeros_like(query))
+            ptk.paged_tree_attention(
+                query, kv_cache, outputs[-1], qsl, seq_lens, tables,
+                torch.zeros(1, dtype=torch.int32), trees.depths.int().contiguous(),
+                trees.ancestors.int().contiguous(), head**-0.5, max_query_len,
+                rows_per_program=16, context_splits=splits,
+            )  # fmt: skip
+            counts.append(len(reads))
+    finally:
+        kernel_globals["_paged_kv"] = original
+    assert counts[0] > 0 and counts[1] == counts[0], counts
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
+
+
 if __name__ == "__main__":
     check(heads=4, kv_heads=2)
     check(heads=6, kv_heads=2)  # a group of 3: padded to 4 rows per slot
@@ -167,3 +214,5 @@ if __name__ == "__main__":
     check(heads=4, kv_heads=2, splits=3)
     check(heads=6, kv_heads=2, first_slot=5, splits=4, block_n=16)
     check(heads=4, kv_heads=2, splits=8, block_n=16)
+    check_programs_past_the_slots_read_nothing(splits=1)
+    check_programs_past_the_slots_read_nothing(splits=2)

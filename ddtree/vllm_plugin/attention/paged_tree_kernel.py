@@ -64,6 +64,10 @@ def _paged_tree_attention_kernel(
     count, slot, head, q_valid, q_row = _tree_slot_rows(
         qsl_ptr, r, q_block, kv_head, group, first_slot, BLOCK_Q, GROUP_PAD
     )
+    if first_slot + q_block * BLOCK_Q >= count:
+        # no slot of this request here: the grid covers the step's longest query (a prefill's,
+        # in a mixed step), and a program without rows would still walk the whole context
+        return
     context = tl.load(seq_lens_ptr + r) - count
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(query_ptr + q_row[:, None] * s_qt + head[:, None] * s_qh + dims[None, :],
@@ -144,9 +148,11 @@ def _merge_splits_kernel(
     r = tl.program_id(0)
     if tl.load(tree_rows_ptr + r) < 0:
         return
-    _, _, head, q_valid, q_row = _tree_slot_rows(
+    count, _, head, q_valid, q_row = _tree_slot_rows(
         qsl_ptr, r, tl.program_id(1), tl.program_id(2), group, first_slot, BLOCK_Q, GROUP_PAD
     )
+    if first_slot + tl.program_id(1) * BLOCK_Q >= count:
+        return
     dims = tl.arange(0, HEAD_DIM)
     lse_rows = part_lse_ptr + q_row * s_mt + head * s_mh
     top = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
