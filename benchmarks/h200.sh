@@ -21,8 +21,10 @@
 #                                    # that prefills land among decodes, as in the bench;
 #                                    # PROFILE_PLAIN=1: no profilers, ms per step by kind;
 #                                    # PROFILE_8B=1: Qwen3-8B shapes, dummy weights)
-#   bash benchmarks/h200.sh longctx  # 8B shapes, 4000-token prompts: chain vs DDTree B=63, and
-#                                    # with DDTREE_CONTEXT_SPLITS (~8 min)
+#   bash benchmarks/h200.sh longctx  # 8B shapes, 4000-token prompts: chain vs DDTree B=63 (its
+#                                    # default shares), then DDTree per LONGCTX_RUNS (~4 min
+#                                    # a run; default "splits1": one share; "flash": the
+#                                    # flash context; "splits4": 4 shares)
 #   bash benchmarks/h200.sh attntime # the paged tree attention kernel per launch shape, 8B
 #                                    # shapes, CUDA graphs (~3 min): its fastest settings
 #   bash benchmarks/h200.sh gdn      # tree GDN kernel and whole layer vs the chain, 27B (~4 min)
@@ -263,17 +265,23 @@ bench8b)  # Qwen3-8B shapes (dummy weights): the chain vs DDTree B=15, 63 and "a
   tail -30 "$OUT/bench_8b.txt"
   ;;
 longctx)  # Qwen3-8B shapes (dummy weights), prompts of LONGCTX_LEN (4000) tokens, c=1 and 8: the
-  # chain vs DDTree B=63, then DDTree B=63 with DDTREE_CONTEXT_SPLITS=LONGCTX_SPLITS (4) — a
-  # second bench, the setting being per process (~8 min: detach it)
-  for splits in 1 ${LONGCTX_SPLITS:-4}; do
-    methods=dflash,ddtree; [ "$splits" != 1 ] && methods=ddtree
-    DDTREE_CONTEXT_SPLITS=$splits timeout 600 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
+  # chain vs DDTree B=63 on its defaults, then DDTree B=63 once per LONGCTX_RUNS entry (a bench
+  # each: the settings are per process; ~4 min a bench: detach it)
+  for run in default ${LONGCTX_RUNS-splits1}; do
+    methods=ddtree; env=()
+    case $run in
+      default) methods=dflash,ddtree ;;
+      splits*) env=(DDTREE_CONTEXT_SPLITS=${run#splits}) ;;
+      flash) env=(DDTREE_TREE_ATTENTION=flash DDTREE_CONTEXT_SPLITS=1) ;;
+      *) echo "LONGCTX_RUNS: default, splitsN or flash, not $run" >&2; continue ;;
+    esac
+    env "${env[@]}" timeout 600 python3 -m ddtree.cli bench --dummy-shapes qwen3-8b \
       --methods $methods --budgets 63 --concurrency 1,8 --temperatures 0 \
       --input-len "${LONGCTX_LEN:-4000}" --max-model-len 8192 --max-tokens 64 --kv-cache-gib 8 \
-      --repeats 1 --step-log 20 --title "Qwen3-8B shapes, ${LONGCTX_LEN:-4000}-token prompts, $GPU, context splits $splits" \
-      --out /tmp/bench_long_$splits > "$OUT/bench_long_$splits.txt" 2>&1
-    tar czf "$OUT/bench_long_$splits.tgz" -C /tmp/bench_long_$splits --exclude=models .
-    tail -12 "$OUT/bench_long_$splits.txt"
+      --repeats 1 --step-log 20 --title "Qwen3-8B shapes, ${LONGCTX_LEN:-4000}-token prompts, $GPU, $run" \
+      --out /tmp/bench_long_$run > "$OUT/bench_long_$run.txt" 2>&1
+    tar czf "$OUT/bench_long_$run.tgz" -C /tmp/bench_long_$run --exclude=models .
+    tail -12 "$OUT/bench_long_$run.txt"
   done
   ;;
 hybrid)  # the tests' tiny hybrid pair (Qwen3.5 layout, 32 words, distilled drafter): the chain

@@ -104,6 +104,8 @@ def test_triton_tree_attention_is_refused_on_the_cpu():
     with pytest.raises(NotImplementedError, match="DDTREE_CONTEXT_SPLITS splits the CUDA"):
         check_platform(Settings(context_splits=4))
     check_platform(Settings(tree_attention="auto"))
+    check_platform(Settings(context_splits=0))  # auto: nothing to split on the CPU
+    check_platform(Settings(context_splits=1))
 
 
 @pytest.mark.parametrize(
@@ -113,7 +115,8 @@ def test_triton_tree_attention_is_refused_on_the_cpu():
         ({"DDTREE_SYNC_DEBUG": "loud"}, "DDTREE_SYNC_DEBUG must be warn or error"),
         ({"DDTREE_PROFILE": "often"}, "DDTREE_PROFILE must be a number"),
         ({"DDTREE_TREE_KERNELS": "cuda"}, "DDTREE_TREE_KERNELS must be one of"),
-        ({"DDTREE_CONTEXT_SPLITS": "many"}, "DDTREE_CONTEXT_SPLITS must be a number"),
+        ({"DDTREE_CONTEXT_SPLITS": "many"}, "DDTREE_CONTEXT_SPLITS must be auto or a number"),
+        ({"DDTREE_CONTEXT_SPLITS": "0"}, "DDTREE_CONTEXT_SPLITS must be auto or a number"),
         (
             {"DDTREE_CONTEXT_SPLITS": "4", "DDTREE_TREE_ATTENTION": "flash"},
             "with DDTREE_TREE_ATTENTION=flash FlashAttention computes it",
@@ -140,8 +143,15 @@ def test_environment_settings(monkeypatch):
     }.items():
         monkeypatch.setenv(name, value)
     assert Settings.from_env() == Settings("merge", False, "warn", 20, False)
+    assert Settings.from_env().context_splits == 0  # auto, the default
     monkeypatch.setenv("DDTREE_CONTEXT_SPLITS", "4")
     assert Settings.from_env().context_splits == 4
+    monkeypatch.setenv("DDTREE_CONTEXT_SPLITS", "1")
+    assert Settings.from_env().context_splits == 1
+    monkeypatch.setenv("DDTREE_CONTEXT_SPLITS", "auto")
+    assert Settings.from_env().context_splits == 0
+    monkeypatch.setenv("DDTREE_TREE_ATTENTION", "flash")  # auto: no shares with that context
+    assert Settings.from_env().context_splits == 0
 
 
 @pytest.mark.parametrize(

@@ -78,8 +78,9 @@ def check(
     context_given: bool = False,
     splits: int = 1,
     block_n: int = 32,
+    scratch_shares: int = 0,
 ) -> None:
-    from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
+    from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention, split_scratch
 
     gen = torch.Generator().manual_seed(heads)
     budget, depth = 23, 4
@@ -117,6 +118,9 @@ def check(
             out, lse = attend_with_lse(query[rows], *cached(r, range(contexts[r])), head**-0.5)
             context_out[rows], lse_heads_first[:, rows] = out, lse.T
         given = dict(context_out=context_out, context_lse=lse_heads_first.T)
+    if scratch_shares:  # the engine's scratch is as wide as the most shares: a slice of it
+        wide = split_scratch(num_rows, heads, scratch_shares, head, "cpu")
+        given = dict(partials=(wide[0][:, :, :splits], wide[1][:, :, :splits]))
     paged_tree_attention(
         query,
         kv_cache,
@@ -214,5 +218,6 @@ if __name__ == "__main__":
     check(heads=4, kv_heads=2, splits=3)
     check(heads=6, kv_heads=2, first_slot=5, splits=4, block_n=16)
     check(heads=4, kv_heads=2, splits=8, block_n=16)
+    check(heads=4, kv_heads=2, splits=2, scratch_shares=4)
     check_programs_past_the_slots_read_nothing(splits=1)
     check_programs_past_the_slots_read_nothing(splits=2)

@@ -148,3 +148,47 @@ def test_flash_context_call_sees_the_cached_context_only(monkeypatch):
     assert seen["k"].shape == (6, 16, 2, 4) and seen["v"].shape == (6, 16, 2, 4)
     assert got["context_lse"].shape == (12, 3) and got["context_lse"][5, 2] == 2 * 12 + 5
     assert got["context_out"].shape == (12, 3, 4)
+
+
+def test_context_shares_follow_the_launch_grid():
+    """``DDTREE_CONTEXT_SPLITS=auto``: shares only where the grid leaves the GPU idle (one or
+    two requests at B=63 on 132 SMs at Qwen3-8B's 8 KV heads x 4), none for a full grid or a
+    step past the scratch; a fixed N always N; the scratch handed on is N shares wide."""
+    from ddtree.vllm_plugin.attention.paged_tree_kernel import shares_for_grid
+    from ddtree.vllm_plugin.config import DDTreeOptions, Settings
+    from ddtree.vllm_plugin.v2.engine import TreeEngine, TreeTables
+
+    def shares(reqs, query_len, first=16, sms=132, most=4):
+        return shares_for_grid(reqs, query_len, first, 8, 4, sms, most)
+
+    assert shares(1, 64) == 4  # 3 row blocks x 8 KV heads = 24 programs: 4 x 24 <= 132
+    assert shares(2, 64) == 2
+    assert shares(4, 64) == 1
+    assert shares(1, 128) == 2  # B = 127: 7 row blocks
+    assert shares(1, 256) == 1  # B = 255: 15 row blocks, 120 programs
+    assert shares(8, 256) == 1
+    assert shares(1, 64, most=2) == 2 and shares(1, 64, most=8, sms=1000) == 8
+    assert shares(1, 16) == 1  # the whole tree is the forced chain: no tree-kernel rows
+
+    def engine_shares(splits: int, reqs: int, query_len: int, tokens: int):
+        tables = TreeTables(4, 63, 15, torch.device("cpu"))
+        engine = TreeEngine(DDTreeOptions(63), 15, Settings(context_splits=splits), tables)
+        width = 4 if splits == 0 else splits
+        engine.context_partials = (
+            torch.zeros(256, 32, width, 128), torch.zeros(256, 32, width)
+        )  # fmt: skip
+        engine.num_sms = 132
+        metadata = SimpleNamespace(
+            max_query_len=query_len, query_start_loc=torch.zeros(reqs + 1, dtype=torch.int32)
+        )
+        kv_cache = torch.zeros(1, 8, 16, 256)
+        return engine.context_shares(torch.zeros(tokens, 32, 128), kv_cache, metadata, 16)
+
+    auto = engine_shares(0, 1, 64, 64)
+    assert auto["context_splits"] == 4
+    assert [tuple(t.shape) for t in auto["partials"]] == [(256, 32, 4, 128), (256, 32, 4)]
+    two = engine_shares(0, 2, 64, 128)["partials"]
+    assert two[0].shape[2] == 2 and two[0].stride(2) == 128 and two[1].stride(2) == 1
+    assert engine_shares(0, 8, 64, 256) == {}  # a full grid
+    assert engine_shares(0, 1, 64, 300) == {}  # a step past the scratch
+    assert engine_shares(3, 8, 64, 256)["context_splits"] == 3  # fixed: always

@@ -48,11 +48,13 @@ class Settings:
       N steps per ``ddtree-steps {...}`` line (``debug.StepPeriods``; ``ddtree bench
       --step-log`` reads them): no sync, so under async scheduling a step's period is the step
       time the engine runs at;
-    - ``DDTREE_CONTEXT_SPLITS=N`` (V2 runner, tree kernel): the paged tree kernel attends the
-      cached context in N shares merged by log-sum-exp (split-KV: long contexts are otherwise
-      one program's serial loop), in steps of up to the largest CUDA graph's tokens; float32
-      scratch of N x that many tokens x heads x head size. Off (1) by default: timed by
-      ``benchmarks/paged_tree_time.py`` before it is anything else.
+    - ``DDTREE_CONTEXT_SPLITS=auto|N`` (V2 runner, tree kernel): the paged tree kernel
+      attends the cached context in shares merged by log-sum-exp (split-KV: a long context is
+      otherwise one program's serial loop). ``auto`` (default): per launch, as many shares
+      (up to 4) as keep the grid within one wave of the GPU (``shares_for_grid``: one or two
+      requests at moderate budgets), for steps of up to ``AUTO_SPLIT_TOKENS`` tokens; ``1``:
+      never; ``N``: always N, in steps of up to the largest CUDA graph's tokens. Float32
+      scratch of shares x those tokens x heads x head size.
     """
 
     tree_attention: str = "auto"
@@ -64,7 +66,7 @@ class Settings:
     acceptance_every: int = 0
     tune_every: int = 64
     step_log_every: int = 0
-    context_splits: int = 1
+    context_splits: int = 0  # 0: auto (shares by the launch grid), 1: off, N: always N
 
     @property
     def fused_tree_kernels(self) -> bool:
@@ -83,7 +85,13 @@ class Settings:
         if sync_debug not in (None, "warn", "error"):
             raise ValueError(f"DDTREE_SYNC_DEBUG must be warn or error, got {sync_debug!r}")
         profile, acceptance = _steps("DDTREE_PROFILE"), _steps("DDTREE_ACCEPTANCE")
-        splits = _steps("DDTREE_CONTEXT_SPLITS") or 1
+        splits_text = os.environ.get("DDTREE_CONTEXT_SPLITS", "auto") or "auto"
+        if splits_text != "auto" and not (splits_text.isdigit() and int(splits_text) >= 1):
+            raise ValueError(
+                f"DDTREE_CONTEXT_SPLITS must be auto or a number of shares >= 1, got "
+                f"{splits_text!r}"
+            )
+        splits = 0 if splits_text == "auto" else int(splits_text)
         if splits > 1 and tree_attention == "flash":
             raise ValueError(
                 "DDTREE_CONTEXT_SPLITS splits the tree kernel's context part; with "

@@ -173,6 +173,35 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])  # fmt: skip
 
 
+def shares_for_grid(
+    num_reqs: int,
+    max_query_len: int,
+    first_slot: int,
+    num_kv_heads: int,
+    group: int,
+    num_sms: int,
+    max_shares: int,
+    rows_per_program: int = 64,
+) -> int:
+    """How many context shares a launch of ``paged_tree_attention`` should use: the most (a
+    power of two, at most ``max_shares``) that keep the split grid within one wave of the
+    GPU's ``num_sms`` multiprocessors. A small grid (a request or two at B=63: 24 programs a
+    layer on 132 SMs) leaves most of the GPU idle while each program walks its request's whole
+    context; a full grid (many requests or a wide tree) gains nothing and pays the merge.
+    Timed on an H100 at Qwen3-8B shapes (``benchmarks/results/h100_2026-12-08/``): one request
+    at B=63 runs 4 shares in 15 / 22 / 53 us at contexts 128 / 1024 / 4096 against 17 / 55 /
+    185 unsplit; 8 requests at B=255 run 4 shares 1.5x slower. The launch shape is fixed per
+    (request bucket, budget), so a CUDA graph captures its choice."""
+    block_q = max(1, rows_per_program // triton.next_power_of_2(group))
+    programs = num_reqs * triton.cdiv(max(max_query_len - first_slot, 0), block_q) * num_kv_heads
+    shares = 1
+    if programs == 0:  # nothing to launch
+        return shares
+    while shares * 2 <= max_shares and programs * shares * 2 <= num_sms:
+        shares *= 2
+    return shares
+
+
 def split_scratch(
     rows: int, heads: int, splits: int, head_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:

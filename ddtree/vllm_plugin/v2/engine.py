@@ -15,10 +15,19 @@ import torch
 
 from ddtree.tree import DraftTree
 from ddtree.vllm_plugin import attention, graphs
-from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention, split_scratch
+from ddtree.vllm_plugin.attention.paged_tree_kernel import (
+    paged_tree_attention,
+    shares_for_grid,
+    split_scratch,
+)
 from ddtree.vllm_plugin.config import DDTreeOptions, Settings
 from ddtree.vllm_plugin.debug import AcceptanceLog, StepProfile, sync_checked
 from ddtree.vllm_plugin.state import LayerBinding
+
+# DDTREE_CONTEXT_SPLITS=auto: at most this many shares, in steps of at most this many tokens
+# (``shares_for_grid`` splits only grids under one wave: a few requests at moderate budgets)
+AUTO_MAX_SHARES = 4
+AUTO_SPLIT_TOKENS = 256
 
 # Attention implementations whose cache layout (logical [blocks, kv heads, block, 2 x head])
 # the paged tree kernel and the KV commit read.
@@ -139,9 +148,11 @@ class TreeEngine:
     # part's output [max_tokens, H, hd] (one FlashAttention call per layer writes them)
     flash_context: torch.Tensor | None = None
     flash_out: torch.Tensor | None = None
-    # DDTREE_CONTEXT_SPLITS=N: the context shares' scratch, [tokens, H, N, hd] and
-    # [tokens, H, N] float32 for steps of up to the largest CUDA graph's tokens
+    # The tree kernel's context shares (DDTREE_CONTEXT_SPLITS): float32 scratch [tokens, H,
+    # shares, hd] and [tokens, H, shares] for steps of up to that many tokens, and the GPU's
+    # multiprocessors (auto: shares by the launch grid)
     context_partials: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_sms: int = 0
     _fused_layers: dict | None = None
 
     def __post_init__(self) -> None:
@@ -192,16 +203,47 @@ class TreeEngine:
         self.slot_mappings = runner.block_tables.slot_mappings
         if self.settings.tree_attention == "flash":
             self._bind_flash_context(runner)
-        if self.settings.context_splits > 1 and self.layers:
-            impl = self.layers[0][2]
-            # steps up to the largest CUDA graph (eager engines: every step)
-            tokens = runner.compilation_config.max_cudagraph_capture_size or runner.max_num_tokens
-            self.context_partials = split_scratch(
-                tokens, impl.num_heads, self.settings.context_splits, impl.head_size,
-                runner.device,
-            )  # fmt: skip
+        self._bind_context_shares(runner)
         if self.gdn is not None:
             self.gdn.bind(runner)
+
+    def _bind_context_shares(self, runner) -> None:
+        """Scratch for the tree kernel's context shares: ``DDTREE_CONTEXT_SPLITS=N``, N shares
+        in steps up to the largest CUDA graph (eager engines: every step); auto, up to
+        ``AUTO_MAX_SHARES`` in steps of up to ``AUTO_SPLIT_TOKENS`` tokens (the grids small
+        enough to split: a few requests, moderate budgets). None with the flash context."""
+        splits = self.settings.context_splits
+        if not self.layers or splits == 1 or self.settings.tree_attention == "flash":
+            return
+        impl = self.layers[0][2]
+        # steps up to the largest CUDA graph (eager engines: every step)
+        tokens = runner.compilation_config.max_cudagraph_capture_size or runner.max_num_tokens
+        if splits == 0:
+            tokens, splits = min(tokens, AUTO_SPLIT_TOKENS), AUTO_MAX_SHARES
+            self.num_sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
+        self.context_partials = split_scratch(
+            tokens, impl.num_heads, splits, impl.head_size, runner.device
+        )
+
+    def context_shares(self, query, kv_cache, metadata, first_slot: int) -> dict:
+        """The tree kernel's share arguments for this launch (none: one share). The choice
+        depends on the step's shapes only (requests, longest query), which a CUDA graph fixes."""
+        partials = self.context_partials
+        if partials is None or query.shape[0] > partials[0].shape[0]:
+            return {}  # steps past the scratch (eager, mixed) take the unsplit kernel
+        shares = self.settings.context_splits
+        if shares == 0:
+            num_kv_heads = kv_cache.shape[1]
+            shares = shares_for_grid(
+                metadata.query_start_loc.shape[0] - 1, metadata.max_query_len, first_slot,
+                num_kv_heads, query.shape[1] // num_kv_heads, self.num_sms, partials[0].shape[2],
+            )  # fmt: skip
+        if shares <= 1:
+            return {}
+        return dict(
+            context_splits=shares,
+            partials=(partials[0][:, :, :shares], partials[1][:, :, :shares]),
+        )
 
     def _bind_flash_context(self, runner) -> None:
         """``DDTREE_TREE_ATTENTION=flash``: buffers for the context part's FlashAttention
@@ -253,15 +295,12 @@ class TreeEngine:
         if first > 0 or not (self.all_tree or self.capturing):
             original()  # the chain's rows; in a mixed step also the prefill rows
         num_reqs = attn_metadata.query_start_loc.shape[0] - 1
-        context = {}
         if self.settings.tree_attention == "flash":
             context = attention.flash.context_attention(
                 impl, query, kv_cache, attn_metadata, self.flash_context, self.flash_out
             )
-        partials = self.context_partials
-        if partials is not None and query.shape[0] <= partials[0].shape[0]:
-            # steps past the largest graph (eager, mixed) take the unsplit kernel
-            context = dict(context_splits=partials[0].shape[2], partials=partials)
+        else:
+            context = self.context_shares(query, kv_cache, attn_metadata, first)
         paged_tree_attention(
             query,
             kv_cache,
