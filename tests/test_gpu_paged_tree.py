@@ -55,19 +55,20 @@ def _check(args, trees, output, contexts, slots_checked):
             torch.testing.assert_close(got, want[0], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits, scratch", [(1, 0), (4, 4), (2, 4)])
 @pytest.mark.parametrize("budget", [63, 255])
-def test_paged_tree_kernel_bf16_and_graph_replay(budget, splits):
-    """Also with the context in 4 shares (``context_splits``: a second launch merges them,
-    its float32 scratch given, as a graph needs)."""
+def test_paged_tree_kernel_bf16_and_graph_replay(budget, splits, scratch):
+    """Also with the context in shares (``context_splits``: a second launch merges them, its
+    float32 scratch given, as a graph needs; 2 shares in a slice of a 4-share scratch, as the
+    engine's ``DDTREE_CONTEXT_SPLITS=auto`` hands it)."""
     contexts = [300, 1000, 17]
     args, trees = _batch(0, budget, contexts)
     if splits > 1:
         rows = args["query"].shape[0]
         args["context_splits"] = splits
         args["partials"] = (
-            torch.empty(rows, HEADS, splits, HEAD, device="cuda"),
-            torch.empty(rows, HEADS, splits, device="cuda"),
+            torch.empty(rows, HEADS, scratch, HEAD, device="cuda")[:, :, :splits],
+            torch.empty(rows, HEADS, scratch, device="cuda")[:, :, :splits],
         )
     output = torch.zeros_like(args["query"])
     paged_tree_attention(output=output, scale=HEAD**-0.5, max_query_len=budget + 1, **args)
