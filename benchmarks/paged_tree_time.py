@@ -31,7 +31,12 @@ import torch
 from tqdm import tqdm
 
 import ddtree
-from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention, split_scratch
+from ddtree.vllm_plugin.attention.paged_tree_kernel import (
+    paged_tree_attention,
+    shares_for_grid,
+    split_scratch,
+)
+from ddtree.vllm_plugin.v2.engine import AUTO_MAX_SHARES
 
 # the engine's launch shape: paged_tree_attention's own defaults
 DEFAULT = {
@@ -39,6 +44,20 @@ DEFAULT = {
     for name in ("rows_per_program", "block_n", "num_warps", "num_stages", "context_splits")
 }
 CHAIN_SLOTS = 16  # the root and a forced chain of D = 15: the backend's rows
+MIXED_QUERY_LEN = 2048  # a mixed step's longest query (a prefill chunk): the grid it launches
+
+
+def engine_config(case: dict, num_sms: int) -> dict:
+    """The launch shape the engine uses for this case: the defaults, with the context shares
+    ``DDTREE_CONTEXT_SPLITS=auto`` picks for its grid."""
+    _, heads, _ = case["query"].shape
+    kv_heads = case["kv_cache"].shape[1]
+    reqs = case["tree_rows"].shape[0]
+    shares = shares_for_grid(
+        reqs, case["max_query_len"], CHAIN_SLOTS, kv_heads, heads // kv_heads, num_sms,
+        AUTO_MAX_SHARES,
+    )  # fmt: skip
+    return {**DEFAULT, "context_splits": shares}
 
 
 def make_case(reqs: int, budget: int, context: int, shape: dict, device: str) -> dict:
@@ -208,6 +227,25 @@ def run(args) -> dict:
                     "max_abs_diff_vs_default": diff,
                 }
             )  # fmt: skip
+        # The engine's own launch (auto shares), and the default launched on a mixed step's
+        # grid (the longest query a prefill's): programs past the trees' slots return at once.
+        num_sms = (
+            torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+        )
+        extra = [("engine_auto", engine_config(case, num_sms), case["max_query_len"])]
+        extra.append(("mixed_grid", DEFAULT, MIXED_QUERY_LEN))
+        for name, config, query_len in extra:
+            case["output"].zero_()
+            saved, case["max_query_len"] = case["max_query_len"], query_len
+            us = time_us(case, config, device)
+            case["max_query_len"] = saved
+            diff = (case["output"].float() - want)[tree_rows].abs().max().item()
+            rows.append(
+                {
+                    "requests": reqs, "budget": budget, "context": context, "config": name,
+                    **config, "us": round(us, 2), "max_abs_diff_vs_default": diff,
+                }
+            )  # fmt: skip
     return {"device": device, "shape": shape, "rows": rows}
 
 
@@ -219,7 +257,17 @@ def summary(result: dict) -> str:
         for r in result["rows"]
         if r["config"].startswith("flash_")
     }
-    rows = [r for r in result["rows"] if not r["config"].startswith("flash_")]
+    special = ("engine_auto", "mixed_grid")
+    extra = {
+        (r["requests"], r["budget"], r["context"], r["config"]): r
+        for r in result["rows"]
+        if r["config"] in special
+    }
+    rows = [
+        r
+        for r in result["rows"]
+        if not r["config"].startswith("flash_") and r["config"] not in special
+    ]
     cases = sorted({(r["requests"], r["budget"], r["context"]) for r in rows})
     default = label(DEFAULT)
     by = {(r["requests"], r["budget"], r["context"], r["config"]): r for r in rows}
@@ -241,9 +289,12 @@ def summary(result: dict) -> str:
         "FlashAttention (vLLM's, causal, CUDA graph): 16 rows per request = the chain's verify "
         "attention per layer; 1 + B rows = DDTree's backend pass, before the tree kernel.",
         "",
+        f"engine: the engine's launch (auto shares: k); mixed grid: the default launched for a "
+        f"step whose longest query is {MIXED_QUERY_LEN} (a prefill among the trees).",
+        "",
         "| R | B | C | default us | fastest us | fastest shape | best-overall us | max diff "
-        "| FA 16 rows us | FA 1+B rows us |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| FA 16 rows us | FA 1+B rows us | engine us (k) | mixed grid us |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
         mine = [r for r in rows if (r["requests"], r["budget"], r["context"]) == c]
@@ -251,9 +302,13 @@ def summary(result: dict) -> str:
         diff = max(r["max_abs_diff_vs_default"] for r in mine)
         fa = [flash.get((*c, name)) for name in ("flash_chain_rows", "flash_all_rows")]
         fa_cells = " | ".join("-" if us is None else f"{us:.2f}" for us in fa)
+        engine, mixed = extra.get((*c, "engine_auto")), extra.get((*c, "mixed_grid"))
+        engine_cell = "-" if engine is None else f"{engine['us']:.2f} ({engine['context_splits']})"
+        mixed_cell = "-" if mixed is None else f"{mixed['us']:.2f}"
         lines.append(
             f"| {c[0]} | {c[1]} | {c[2]} | {by[(*c, default)]['us']:.2f} | {fastest['us']:.2f} "
-            f"| {fastest['config']} | {by[(*c, overall)]['us']:.2f} | {diff:.1e} | {fa_cells} |"
+            f"| {fastest['config']} | {by[(*c, overall)]['us']:.2f} | {diff:.1e} | {fa_cells} "
+            f"| {engine_cell} | {mixed_cell} |"
         )
     return "\n".join(lines)
 

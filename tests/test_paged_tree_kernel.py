@@ -45,7 +45,8 @@ def test_context_splits_are_refused_with_a_given_context():
 def test_timing_script_runs_its_smoke_case(tmp_path):
     """benchmarks/paged_tree_time.py (GPU time is scarce: a crash there costs a lease) on
     tiny shapes under the interpreter: its three launch shapes (the default, one with warps and
-    stages given, one with the context in two shares) write the same rows, JSON and table."""
+    stages given, one with the context in two shares), the engine's auto shares and the default
+    on a mixed step's grid write the same rows, JSON and table."""
     pytest.importorskip("triton")
     import json
     import os
@@ -63,10 +64,14 @@ def test_timing_script_runs_its_smoke_case(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["config"] for r in rows] == [
-        "rpp64/n32/wd/sd/k1", "rpp16/n16/w8/s1/k1", "rpp64/n32/wd/sd/k2"
+        "rpp64/n32/wd/sd/k1", "rpp16/n16/w8/s1/k1", "rpp64/n32/wd/sd/k2", "engine_auto",
+        "mixed_grid",
     ]  # fmt: skip
     assert all(r["max_abs_diff_vs_default"] < 1e-4 for r in rows)
-    assert "| 2 | 23 | 20 |" in out.with_suffix(".md").read_text()
+    # the engine's auto shares for 2 trees of 23 slots, 2 KV heads, on 132 SMs (no GPU here)
+    assert rows[3]["context_splits"] == 4
+    table = out.with_suffix(".md").read_text()
+    assert "| 2 | 23 | 20 |" in table and "| mixed grid us |" in table
 
 
 def check(
