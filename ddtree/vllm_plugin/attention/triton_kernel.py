@@ -57,6 +57,8 @@ def _tree_attention_kernel(
     head = tl.program_id(2)
     kv_head = head // group
     count = tl.load(counts_ptr + r)
+    if q_block * BLOCK_Q >= count:  # a clipped tree: no slot here, skip the context walk
+        return
     context = tl.load(context_ptr + r)
     dims = tl.arange(0, HEAD_DIM)
     q_slot = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
