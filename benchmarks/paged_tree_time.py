@@ -8,7 +8,8 @@ R trees of 1 + B slots (D = 15) over a paged bf16 cache in random block order, t
 timed from one CUDA graph of 20 launches (CUDA events, median of 5 replays: no host launch
 cost), and its output compared with the default shape's (the engine's, tested against the
 reference in tests/test_paged_tree_kernel.py). Writes JSON rows and a table: per case the
-default's time, the fastest shape's, and the one shape that is fastest over all cases.
+default's time, the fastest shape's, and the one shape that is fastest over all cases; a plot
+of each (R, B) against the context beside FlashAttention (``--replot``: from the JSON alone).
 
     python benchmarks/paged_tree_time.py --out /tmp/paged_tree_time.json     # CUDA
     TRITON_INTERPRET=1 python benchmarks/paged_tree_time.py --smoke --out X  # the script's own
@@ -313,6 +314,52 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: Path) -> None:
+    """One panel per (requests, budget): microseconds per layer against the cached context —
+    the default launch, the engine's (auto shares), the fastest shape per case, and vLLM's
+    FlashAttention over the chain's 16 rows and over DDTree's 1 + B rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    panels = sorted({(r["requests"], r["budget"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    default = label(DEFAULT)
+    lines = [  # (legend, the row that gives the point: a config name or "fastest", style)
+        ("tree kernel, default launch", default, "C0", "-"),
+        ("tree kernel, engine (auto shares)", "engine_auto", "C2", "-"),
+        ("tree kernel, fastest shape", "fastest", "C0", ":"),
+        ("FlashAttention, 16 rows (chain)", "flash_chain_rows", "C1", "--"),
+        ("FlashAttention, 1 + B rows", "flash_all_rows", "C3", "--"),
+    ]
+    for ax, (reqs, budget) in zip(axes[0], panels, strict=True):
+        mine = [r for r in rows if (r["requests"], r["budget"]) == (reqs, budget)]
+        contexts = sorted({r["context"] for r in mine})
+        for name, config, color, style in lines:
+            ys = []
+            for c in contexts:
+                here = [r for r in mine if r["context"] == c]
+                if config == "fastest":
+                    ys.append(min((r["us"] for r in here if "/" in r["config"]), default=None))
+                else:
+                    ys.append(next((r["us"] for r in here if r["config"] == config), None))
+            if any(y is not None for y in ys):
+                ax.plot(contexts, ys, style, color=color, marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="cached context (tokens)",
+               title=f"{reqs} request(s), B={budget}")  # fmt: skip
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("us per layer (CUDA graph)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"paged tree attention vs FlashAttention, {result.get('machine', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -329,16 +376,23 @@ def main() -> int:
     parser.add_argument("--num-stages", type=ints, default=[3])
     parser.add_argument("--context-splits", type=ints, default=[1, 4, 8])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, two launch shapes")
-    args = parser.parse_args()
-    result = run(args)
-    result["command"] = " ".join(["python", *sys.argv])
-    result["machine"] = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    parser.add_argument(
+        "--replot", action="store_true", help="only the table and plot again from --out's JSON"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args = parser.parse_args()
+    if args.replot:
+        result = json.loads(args.out.read_text())
+    else:
+        result = run(args)
+        result["command"] = " ".join(["python", *sys.argv])
+        result["machine"] = (
+            torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+        )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     table = summary(result)
     args.out.with_suffix(".md").write_text(table + "\n")
+    plot(result, args.out.with_suffix(".png"))
     print(table)
     worst = max(r.get("max_abs_diff_vs_default", 0.0) for r in result["rows"])
     if not worst < (2e-2 if result["device"] == "cuda" else 1e-4):

@@ -72,6 +72,7 @@ def test_timing_script_runs_its_smoke_case(tmp_path):
     assert rows[3]["context_splits"] == 4
     table = out.with_suffix(".md").read_text()
     assert "| 2 | 23 | 20 |" in table and "| mixed grid us |" in table
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def check(
