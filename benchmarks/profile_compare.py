@@ -5,8 +5,8 @@
 Each file's torch.profiler table (its "Self CUDA" column) is summed per kernel kind (the
 target's and drafter's GEMMs, FlashAttention, the paged tree attention, DDTree's other Triton
 kernels, ...) and divided by the run's steps (the file's first line), so that the difference
-between two engines reads as where it goes. CPU-side rows (``aten::``, ``_C_``, ``cuda*``) are
-left out: their kernels have rows of their own.
+between two engines reads as where it goes (``--plot``: the same as stacked bars). CPU-side
+rows (``aten::``, ``_C_``, ``cuda*``) are left out: their kernels have rows of their own.
 """
 
 from __future__ import annotations
@@ -69,10 +69,41 @@ def table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def plot(paths: list[Path], out: Path, title: str = "") -> None:
+    """The same split as stacked bars, one per file (ms of kernel time per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read(p)[1] for p in paths]
+    kinds = sorted({k for r in runs for k in r}, key=lambda k: -max(r.get(k, 0) for r in runs))
+    names = [p.stem.removeprefix("profile_") for p in paths]
+    fig, ax = plt.subplots(figsize=(4.4 + 1.6 * len(paths), 4.2))
+    bottom = [0.0] * len(runs)
+    for i, k in enumerate(kinds):
+        heights = [r.get(k, 0.0) for r in runs]
+        ax.bar(names, heights, bottom=bottom, label=k, color=f"C{i % 10}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for x, total in enumerate(bottom):
+        ax.text(x, total, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("kernel ms per step")
+    ax.set_title(title or "GPU kernel time per step by kind", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", type=Path, nargs="+", help="profile_<engine>_c<c>.txt files")
-    print(table(parser.parse_args().files))
+    parser.add_argument("--plot", type=Path, help="also stacked bars into this PNG")
+    parser.add_argument("--title", default="", help="the plot's title")
+    args = parser.parse_args()
+    print(table(args.files))
+    if args.plot:
+        plot(args.files, args.plot, args.title)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ def test_kinds_summed_per_step(tmp_path: Path) -> None:
     )
     text = profile_compare.table([path, path])
     assert "| ddtree-63_c1 | ddtree-63_c1 |" in text and "| all kernels | 2.735 | 2.735 |" in text
+    profile_compare.plot([path, path], tmp_path / "split.png")
+    assert (tmp_path / "split.png").stat().st_size > 0
 
 
 def test_file_without_steps_is_refused(tmp_path: Path) -> None:
