@@ -9,7 +9,9 @@ is compared with a float64 reference:
 - ``fa_decode``: FlashAttention, one query per request (what no-spec computes);
 - ``fa_chain``: FlashAttention, 16 causal queries per request (the chain's verify);
 - ``tree_chain``: the tree kernel on the same 16 queries as a chain-shaped tree (same mask);
-- ``tree_B``: the tree kernel on a budget-B DDTree tree (its own ancestor mask).
+- ``tree_B``: the tree kernel on a budget-B DDTree tree (its own ancestor mask);
+- ``tree_B_4shares``: the same with the keys in 4 shares merged in float32 (what the engine
+  runs where the launch grid is small: ``DDTREE_CONTEXT_SPLITS=auto``).
 
 Error = |output - float64 reference| per element, relative to the reference's RMS, over
 contexts of 64..4096 tokens. Prints a table; ``--out`` writes JSON.
@@ -75,7 +77,7 @@ def _flash(query, kv_cache, tables, cu_q, seq_lens, max_q, causal=True) -> torch
     )
 
 
-def _tree(query, kv_cache, tables, trees, contexts) -> torch.Tensor:
+def _tree(query, kv_cache, tables, trees, contexts, splits: int = 1) -> torch.Tensor:
     from ddtree.vllm_plugin.attention.paged_tree_kernel import paged_tree_attention
 
     num_reqs, slots = trees.tokens.shape
@@ -86,7 +88,7 @@ def _tree(query, kv_cache, tables, trees, contexts) -> torch.Tensor:
         query, kv_cache, out, cu_q, seq_lens, tables,
         torch.arange(num_reqs, device=DEVICE, dtype=torch.int32),
         trees.depths.int().contiguous(), trees.ancestors.int().contiguous(),
-        HEAD**-0.5, slots,
+        HEAD**-0.5, slots, context_splits=splits,
     )  # fmt: skip
     return out
 
@@ -155,6 +157,8 @@ def _tree_rows(out, contexts, budget, kv_cache, tables, chain_tree, tree, gen, q
         for i in range(n)
     ]
     out[f"tree_{budget}"] = _errors(list(_tree(qb, kv_cache, tables, tree, contexts)), want)
+    shares = _tree(qb, kv_cache, tables, tree, contexts, splits=4)
+    out[f"tree_{budget}_4shares"] = _errors(list(shares), want)
     return out
 
 
