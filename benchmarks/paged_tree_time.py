@@ -172,6 +172,44 @@ def flash_us(case: dict, rows: int) -> float | None:
     return graph_us(call)
 
 
+def flash_context_launch(case: dict):
+    """``DDTREE_TREE_ATTENTION=flash`` as the engine runs it: one non-causal FlashAttention call
+    over every row's cached context (output and log-sum-exp into persistent buffers), then the
+    tree kernel over the tree's own slots only. A function that launches both; None without
+    vLLM's FlashAttention."""
+    from types import SimpleNamespace
+
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    except ImportError:
+        return None
+    from ddtree.vllm_plugin.attention.flash import context_attention
+
+    query = case["query"]
+    reqs = case["tree_rows"].shape[0]
+    impl = SimpleNamespace(
+        head_size=query.shape[-1], scale=case["scale"],
+        vllm_flash_attn_version=get_flash_attn_version(),
+    )  # fmt: skip
+    metadata = SimpleNamespace(
+        query_start_loc=case["query_start_loc"], seq_lens=case["seq_lens"],
+        block_table=case["block_table"], max_query_len=case["max_query_len"],
+        max_seq_len=int(case["seq_lens"].max()),
+    )  # fmt: skip
+    context = torch.zeros(reqs + 1, dtype=torch.int32, device=query.device)
+    out = torch.empty_like(query)
+
+    def call():
+        given = context_attention(impl, query, case["kv_cache"], metadata, context, out)
+        paged_tree_attention(
+            query, case["kv_cache"], case["output"], case["query_start_loc"], case["seq_lens"],
+            case["block_table"], case["tree_rows"], case["depths"], case["ancestors"],
+            case["scale"], case["max_query_len"], first_slot=CHAIN_SLOTS, **given,
+        )  # fmt: skip
+
+    return call
+
+
 def label(config: dict) -> str:
     return "rpp{rows_per_program}/n{block_n}/w{num_warps}/s{num_stages}/k{context_splits}".format(
         **{k: "d" if v is None else v for k, v in config.items()}
@@ -235,6 +273,20 @@ def run(args) -> dict:
         )
         extra = [("engine_auto", engine_config(case, num_sms), case["max_query_len"])]
         extra.append(("mixed_grid", DEFAULT, MIXED_QUERY_LEN))
+        flash_context = flash_context_launch(case) if device == "cuda" else None
+        if flash_context is not None:  # the flash context's time and its output vs the kernel's
+            case["output"].zero_()
+            try:
+                us = graph_us(flash_context)
+            except Exception as error:  # the table shows "-"; the other timings stand
+                print(f"flash context, case {reqs}/{budget}/{context}: {error!r}", file=sys.stderr)
+            else:
+                diff = (case["output"].float() - want)[tree_rows].abs().max().item()
+                rows.append(
+                    {"requests": reqs, "budget": budget, "context": context,
+                     "config": "flash_context", "us": round(us, 2),
+                     "max_abs_diff_vs_default": diff}
+                )  # fmt: skip
         for name, config, query_len in extra:
             case["output"].zero_()
             saved, case["max_query_len"] = case["max_query_len"], query_len
@@ -258,7 +310,7 @@ def summary(result: dict) -> str:
         for r in result["rows"]
         if r["config"].startswith("flash_")
     }
-    special = ("engine_auto", "mixed_grid")
+    special = ("engine_auto", "mixed_grid", "flash_context")
     extra = {
         (r["requests"], r["budget"], r["context"], r["config"]): r
         for r in result["rows"]
@@ -291,11 +343,13 @@ def summary(result: dict) -> str:
         "attention per layer; 1 + B rows = DDTree's backend pass, before the tree kernel.",
         "",
         f"engine: the engine's launch (auto shares: k); mixed grid: the default launched for a "
-        f"step whose longest query is {MIXED_QUERY_LEN} (a prefill among the trees).",
+        f"step whose longest query is {MIXED_QUERY_LEN} (a prefill among the trees); flash "
+        "context: DDTREE_TREE_ATTENTION=flash (FlashAttention over the context, then the kernel "
+        "over the tree's slots).",
         "",
         "| R | B | C | default us | fastest us | fastest shape | best-overall us | max diff "
-        "| FA 16 rows us | FA 1+B rows us | engine us (k) | mixed grid us |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| FA 16 rows us | FA 1+B rows us | engine us (k) | mixed grid us | flash context us |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
         mine = [r for r in rows if (r["requests"], r["budget"], r["context"]) == c]
@@ -306,10 +360,12 @@ def summary(result: dict) -> str:
         engine, mixed = extra.get((*c, "engine_auto")), extra.get((*c, "mixed_grid"))
         engine_cell = "-" if engine is None else f"{engine['us']:.2f} ({engine['context_splits']})"
         mixed_cell = "-" if mixed is None else f"{mixed['us']:.2f}"
+        flash_ctx = extra.get((*c, "flash_context"))
+        flash_cell = "-" if flash_ctx is None else f"{flash_ctx['us']:.2f}"
         lines.append(
             f"| {c[0]} | {c[1]} | {c[2]} | {by[(*c, default)]['us']:.2f} | {fastest['us']:.2f} "
             f"| {fastest['config']} | {by[(*c, overall)]['us']:.2f} | {diff:.1e} | {fa_cells} "
-            f"| {engine_cell} | {mixed_cell} |"
+            f"| {engine_cell} | {mixed_cell} | {flash_cell} |"
         )
     return "\n".join(lines)
 
@@ -331,6 +387,7 @@ def plot(result: dict, path: Path) -> None:
         ("tree kernel, default launch", default, "C0", "-"),
         ("tree kernel, engine (auto shares)", "engine_auto", "C2", "-"),
         ("tree kernel, fastest shape", "fastest", "C0", ":"),
+        ("flash context + tree kernel", "flash_context", "C4", "-"),
         ("FlashAttention, 16 rows (chain)", "flash_chain_rows", "C1", "--"),
         ("FlashAttention, 1 + B rows", "flash_all_rows", "C3", "--"),
     ]
