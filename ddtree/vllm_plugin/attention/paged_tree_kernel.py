@@ -173,6 +173,16 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])  # fmt: skip
 
 
+ROWS_PER_PROGRAM = 64  # the default launch: query rows (slots x heads of a group) a program
+
+
+def _slot_blocks(rows_per_program: int, group: int) -> tuple[int, int]:
+    """(GROUP_PAD, BLOCK_Q) of a launch: a program serves BLOCK_Q slots x GROUP_PAD heads (the
+    group's query heads, padded to a power of two)."""
+    group_pad = triton.next_power_of_2(group)
+    return group_pad, max(1, rows_per_program // group_pad)
+
+
 def shares_for_grid(
     num_reqs: int,
     max_query_len: int,
@@ -181,7 +191,7 @@ def shares_for_grid(
     group: int,
     num_sms: int,
     max_shares: int,
-    rows_per_program: int = 64,
+    rows_per_program: int = ROWS_PER_PROGRAM,
 ) -> int:
     """How many context shares a launch of ``paged_tree_attention`` should use: the most (a
     power of two, at most ``max_shares``) that keep the split grid within one wave of the
@@ -192,7 +202,7 @@ def shares_for_grid(
     at B=63 runs 4 shares in 15 / 22 / 53 us at contexts 128 / 1024 / 4096 against 17 / 55 /
     185 unsplit; 8 requests at B=255 run 4 shares 1.5x slower. The launch shape is fixed per
     (request bucket, budget), so a CUDA graph captures its choice."""
-    block_q = max(1, rows_per_program // triton.next_power_of_2(group))
+    _, block_q = _slot_blocks(rows_per_program, group)
     programs = num_reqs * triton.cdiv(max(max_query_len - first_slot, 0), block_q) * num_kv_heads
     shares = 1
     if programs == 0:  # nothing to launch
@@ -225,7 +235,7 @@ def paged_tree_attention(
     ancestors: torch.Tensor,
     scale: float,
     max_query_len: int,
-    rows_per_program: int = 64,
+    rows_per_program: int = ROWS_PER_PROGRAM,
     block_n: int = 32,
     first_slot: int = 0,
     context_out: torch.Tensor | None = None,
@@ -269,8 +279,7 @@ def paged_tree_attention(
             raise ValueError(f"paged_tree_attention: {name} must have a contiguous last dim")
     if depths.stride(1) != 1 or ancestors.stride(2) != 1:
         raise ValueError("paged_tree_attention: tree tables must be contiguous per row")
-    group_pad = triton.next_power_of_2(group)
-    block_q = max(1, rows_per_program // group_pad)  # a program: BLOCK_Q slots x GROUP_PAD heads
+    group_pad, block_q = _slot_blocks(rows_per_program, group)
     if max_query_len <= first_slot:
         return
     given = context_out is not None
@@ -305,7 +314,7 @@ def paged_tree_attention(
         CONTEXT_GIVEN=given, SPLITS=splits, **launch,
     )  # fmt: skip
     if splits > 1:
-        merge_q = max(1, 16 // group_pad)  # 16 rows a program: larger tiles spill on sm_90
+        _, merge_q = _slot_blocks(16, group)  # 16 rows a program: larger tiles spill on sm_90
         merge_grid = (num_reqs, triton.cdiv(max_query_len - first_slot, merge_q), num_kv_heads)
         _merge_splits_kernel[merge_grid](
             output, part_out, part_lse, query_start_loc, tree_rows, group, first_slot,
